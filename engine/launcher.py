@@ -1,0 +1,139 @@
+"""Starts, watches and stops the engine's processes (tokenizer, scheduler, workers).
+
+The launcher lives in the caller's process (API server or offline `LLM`). A supervisor thread
+waits on every child's sentinel: if one dies while the engine runs, it reports which and why,
+stops the others and calls `on_failure`. `shutdown()` stops every child within a few seconds
+(SIGTERM, then SIGKILL) and removes the socket directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import threading
+import time
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+import msgspec
+import zmq
+
+from engine.config import EngineConfig
+from engine.ipc import Endpoints
+from engine.process_entry import run_child
+from engine.protocol import ControlMessage, ProcessFailed, ProcessReady
+
+log = logging.getLogger("deepinfer.launcher")
+
+TOKENIZER = "engine.tokenizer_process:main"
+SCHEDULER = "engine.scheduler_process:main"
+# Resolved by name in the child: the engine never imports worker (torch) code itself.
+WORKER = "workers.worker_process:main"
+
+
+class EngineStartupError(RuntimeError):
+    pass
+
+
+class Launcher:
+    def __init__(self, config: EngineConfig, endpoints: Endpoints) -> None:
+        self.config = config
+        self.endpoints = endpoints
+        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.ready_info: dict[str, dict[str, str]] = {}
+        self.failure: str | None = None
+        self._stopping = False
+        self._zmq = zmq.Context.instance()
+        self._control = self._zmq.socket(zmq.PULL)
+        self._control.setsockopt(zmq.LINGER, 0)
+        self._control.bind(endpoints.control)
+        self._decoder = msgspec.msgpack.Decoder(ControlMessage)
+        self._reports: dict[str, str] = {}
+
+    def start(self, timeout: float = 300.0) -> None:
+        ctx = mp.get_context("spawn")
+        cfg, eps = self.config.encode(), msgspec.msgpack.encode(self.endpoints)
+        children = [("tokenizer", TOKENIZER, 0), ("scheduler", SCHEDULER, 0)]
+        children += [(f"worker{r}", WORKER, r) for r in range(self.config.tensor_parallel_size)]
+        for name, target, rank in children:
+            proc = ctx.Process(
+                target=run_child,
+                args=(name, target, cfg, eps, rank, os.getpid()),
+                name=f"deepinfer-{name}",
+                daemon=True,
+            )
+            proc.start()
+            self.procs[name] = proc
+        try:
+            self._wait_ready(timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.ready_info) < len(self.procs):
+            if time.monotonic() > deadline:
+                missing = sorted(set(self.procs) - set(self.ready_info))
+                raise EngineStartupError(f"engine start timed out waiting for {missing}")
+            if self._control.poll(100):
+                msg = self._decoder.decode(self._control.recv())
+                if isinstance(msg, ProcessReady):
+                    self.ready_info[msg.name] = msg.info
+                else:
+                    raise EngineStartupError(f"{msg.name} failed to start: {msg.error}")
+            for name, proc in self.procs.items():
+                if not proc.is_alive():
+                    why = self._drain_reports().get(name, f"exit code {proc.exitcode}")
+                    raise EngineStartupError(f"{name} died during start-up: {why}")
+
+    def _drain_reports(self) -> dict[str, str]:
+        while self._control.poll(0):
+            msg = self._decoder.decode(self._control.recv())
+            if isinstance(msg, ProcessFailed):
+                self._reports[msg.name] = msg.error
+        return self._reports
+
+    def supervise(self, on_failure: Callable[[str], None]) -> None:
+        """Watch the children in a daemon thread; call on_failure(reason) if one dies."""
+
+        def watch() -> None:
+            sentinels = {p.sentinel: name for name, p in self.procs.items()}
+            ready = wait(list(sentinels))
+            if self._stopping:
+                return
+            time.sleep(0.2)  # give a dying child's failure report time to arrive
+            reports = self._drain_reports()
+            dead = [sentinels[s] for s in ready]
+            parts = []
+            for name in dead:
+                code = self.procs[name].exitcode
+                parts.append(f"{name} exited (code {code})" + (
+                    f": {reports[name]}" if name in reports else ""))
+            self.failure = "; ".join(parts)
+            log.error("engine process died: %s; stopping the others", self.failure)
+            self.shutdown()
+            on_failure(self.failure)
+
+        threading.Thread(target=watch, name="deepinfer-supervisor", daemon=True).start()
+
+    def alive(self) -> bool:
+        return bool(self.procs) and all(p.is_alive() for p in self.procs.values())
+
+    def shutdown(self, timeout: float = 3.0) -> None:
+        if self._stopping and not any(p.is_alive() for p in self.procs.values()):
+            self.endpoints.remove()
+            return
+        self._stopping = True
+        for proc in self.procs.values():
+            if proc.is_alive():
+                proc.terminate()
+        deadline = time.monotonic() + timeout
+        for proc in self.procs.values():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                proc.kill()
+                proc.join(1.0)
+        self._control.close(0)
+        self.endpoints.remove()

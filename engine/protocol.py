@@ -1,0 +1,224 @@
+"""Every message that crosses a process boundary, as msgspec Structs.
+
+Structs are array-like (positional on the wire), omit defaults and skip GC tracking, as in vLLM v1.
+Token id arrays travel as raw little-endian int32 bytes (`pack_ids` / `unpack_ids`), never as
+lists of Python ints. A socket that carries several message types uses a tagged union.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+import numpy as np
+
+_STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+
+
+def pack_ids(ids) -> bytes:
+    """Token ids (any int sequence or array) -> raw int32 bytes."""
+    return np.asarray(ids, dtype=np.int32).tobytes()
+
+
+def unpack_ids(data: bytes) -> np.ndarray:
+    """Raw int32 bytes -> read-only int32 array (zero copy)."""
+    return np.frombuffer(data, dtype=np.int32)
+
+
+class FinishReason(enum.IntEnum):
+    STOP = 1  # EOS, a stop token id or a stop string
+    LENGTH = 2  # max_tokens or the context length
+    ABORT = 3  # client went away or the request was cancelled
+    ERROR = 4  # the request was rejected (see RequestOutput.error)
+
+    def openai(self) -> str | None:
+        return {1: "stop", 2: "length", 3: "abort", 4: "error"}[int(self)]
+
+
+class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
+    """Per-request generation settings (OpenAI names; vLLM-style extensions)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    # None: no logprobs. k >= 0: the chosen token's logprob plus the top-k alternatives.
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+# ---------------------------------------------------------------- api <-> tokenizer process
+
+
+class ChatMessage(msgspec.Struct, **_STRUCT):
+    role: str
+    content: str
+
+
+class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
+    """A user request as the API layer received it (text, tokens or chat messages)."""
+
+    request_id: str
+    params: SamplingParams
+    prompt: str | None = None
+    prompt_token_ids: bytes | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+
+class Abort(msgspec.Struct, tag=True, **_STRUCT):
+    request_ids: list[str]
+
+
+class TokenLogprob(msgspec.Struct, **_STRUCT):
+    token_id: int
+    token: str
+    logprob: float
+
+
+class PositionLogprobs(msgspec.Struct, **_STRUCT):
+    """Logprob of the chosen token at one position and the top alternatives."""
+
+    chosen: TokenLogprob
+    top: list[TokenLogprob] = []
+
+
+class RequestOutput(msgspec.Struct, **_STRUCT):
+    """An incremental result for one request: new text and tokens since the last output."""
+
+    request_id: str
+    text: str = ""
+    token_ids: bytes = b""
+    logprobs: list[PositionLogprobs] = []
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # Set only on the first output of a request: the prompt as the model saw it.
+    prompt_text: str | None = None
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
+    """A snapshot the scheduler publishes after each step (for /metrics and tests)."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+
+
+class OutputBatch(msgspec.Struct, tag=True, **_STRUCT):
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+
+
+# ---------------------------------------------------------------- tokenizer <-> scheduler
+
+
+class TokenizedRequest(msgspec.Struct, tag=True, **_STRUCT):
+    request_id: str
+    prompt_ids: bytes
+    params: SamplingParams
+
+
+class TokenDelta(msgspec.Struct, **_STRUCT):
+    request_id: str
+    token_ids: bytes
+    # Per new token: (chosen id, chosen logprob, top ids, top logprobs), only when asked for.
+    logprobs: list[tuple[int, float, list[int], list[float]]] = []
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class TokenBatch(msgspec.Struct, tag=True, **_STRUCT):
+    deltas: list[TokenDelta]
+    stats: SchedulerStats | None = None
+
+
+# ---------------------------------------------------------------- scheduler <-> workers
+
+
+class NewRequestInfo(msgspec.Struct, **_STRUCT):
+    """Sent to the workers once per request: what sampling needs for its whole life."""
+
+    request_id: str
+    prompt_ids: bytes
+    params: SamplingParams
+
+
+class ScheduledSeq(msgspec.Struct, **_STRUCT):
+    """One request's slice of a step: compute `token_ids` at positions start.. and maybe sample."""
+
+    request_id: str
+    token_ids: bytes
+    start_pos: int
+    block_table: bytes
+    sample: bool
+
+
+class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
+    step_id: int
+    seqs: list[ScheduledSeq]
+    new_requests: list[NewRequestInfo] = []
+    # Requests the workers may forget (finished, aborted): their sampling state is dropped.
+    finished: list[str] = []
+
+
+class Shutdown(msgspec.Struct, tag=True, **_STRUCT):
+    reason: str = ""
+
+
+class StepResult(msgspec.Struct, tag=True, **_STRUCT):
+    """Rank 0's answer: one sampled token per seq with sample=True, in plan order."""
+
+    step_id: int
+    sampled_ids: bytes
+    logprobs: list[tuple[int, float, list[int], list[float]] | None] = []
+    forward_ms: float = 0.0
+    sample_ms: float = 0.0
+
+
+# ---------------------------------------------------------------- children -> launcher
+
+
+class ProcessReady(msgspec.Struct, tag=True, **_STRUCT):
+    name: str
+    info: dict[str, str] = {}
+
+
+class ProcessFailed(msgspec.Struct, tag=True, **_STRUCT):
+    name: str
+    error: str
+
+
+ClientToTokenizer = GenerateRequest | Abort
+TokenizerToScheduler = TokenizedRequest | Abort
+SchedulerToTokenizer = TokenBatch
+SchedulerToWorker = StepPlan | Shutdown
+ControlMessage = ProcessReady | ProcessFailed
+
+
+def encoder() -> msgspec.msgpack.Encoder:
+    return msgspec.msgpack.Encoder()
+
+
+def decoder(kind) -> msgspec.msgpack.Decoder:
+    return msgspec.msgpack.Decoder(kind)

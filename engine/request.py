@@ -1,0 +1,67 @@
+"""A request as the scheduler tracks it: tokens, progress, KV blocks."""
+
+from __future__ import annotations
+
+import enum
+
+import numpy as np
+
+from engine.protocol import FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = 1
+    RUNNING = 2
+    FINISHED = 3
+
+
+class Request:
+    __slots__ = (
+        "request_id", "prompt_ids", "output_ids", "params", "num_computed", "blocks",
+        "status", "finish_reason", "arrival", "num_cached", "max_len", "sent_to_workers",
+    )
+
+    def __init__(
+        self, request_id: str, prompt_ids: np.ndarray, params: SamplingParams, arrival: int,
+        max_len: int,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt_ids = prompt_ids
+        self.output_ids: list[int] = []
+        self.params = params
+        self.num_computed = 0  # tokens whose KV is in the cache
+        self.blocks: list[int] = []
+        self.status = Status.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.arrival = arrival
+        self.num_cached = 0  # prompt tokens served from the prefix cache
+        self.max_len = max_len  # prompt + output may not exceed this (context, KV capacity)
+        self.sent_to_workers = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    def tokens(self, start: int, end: int) -> np.ndarray:
+        """Token ids [start, end) of prompt + output."""
+        p = len(self.prompt_ids)
+        if end <= p:
+            return self.prompt_ids[start:end]
+        out = np.asarray(self.output_ids[max(0, start - p): end - p], dtype=np.int32)
+        if start >= p:
+            return out
+        return np.concatenate([self.prompt_ids[start:], out])
+
+    def check_finished(self, eos_ids: tuple[int, ...]) -> FinishReason | None:
+        """Finish reason after the newest output token, or None to keep going."""
+        last = self.output_ids[-1]
+        p = self.params
+        if last in p.stop_token_ids or (not p.ignore_eos and last in eos_ids):
+            return FinishReason.STOP
+        if len(self.output_ids) >= p.max_tokens or self.num_tokens >= self.max_len:
+            return FinishReason.LENGTH
+        return None

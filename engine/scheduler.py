@@ -1,0 +1,221 @@
+"""Continuous batching over a paged KV cache, with chunked prefill and preemption by recompute.
+
+Pure logic, no sockets and no torch: `schedule()` picks the next step, `update()` applies the
+workers' sampled tokens. Tests drive it directly with a hand-made config.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_allocator import BlockAllocator
+from engine.protocol import (
+    FinishReason,
+    NewRequestInfo,
+    ScheduledSeq,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+    TokenizedRequest,
+    pack_ids,
+    unpack_ids,
+)
+from engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    prefill_chunk_size: int = 512
+    context_len: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class ScheduledStep:
+    plan: StepPlan
+    scheduled: list[tuple[Request, ScheduledSeq]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_for_workers: list[str] = []
+        self._arrivals = 0
+        self._step_id = 0
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        # No request may outgrow the context or the whole KV cache.
+        self.max_len = min(config.context_len, config.num_blocks * config.block_size)
+
+    # ------------------------------------------------------------------ requests in / out
+
+    def add(self, msg: TokenizedRequest) -> TokenDelta | None:
+        """Queue a request; returns an error delta when it can never run."""
+        prompt = unpack_ids(msg.prompt_ids)
+        if msg.request_id in self.requests:
+            return self._reject(msg.request_id, "duplicate request id")
+        if len(prompt) >= self.max_len:
+            return self._reject(
+                msg.request_id,
+                f"the prompt has {len(prompt)} tokens but at most {self.max_len - 1} fit "
+                "(context length and KV cache size)",
+            )
+        req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len)
+        self._arrivals += 1
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return None
+
+    @staticmethod
+    def _reject(request_id: str, why: str) -> TokenDelta:
+        return TokenDelta(request_id, b"", finish_reason=FinishReason.ERROR, error=why)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ABORT)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        self.allocator.free(req.blocks)
+        req.blocks = []
+        del self.requests[req.request_id]
+        if req.sent_to_workers:
+            self._finished_for_workers.append(req.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's KV and queue it first; it will be recomputed."""
+        self.running.remove(req)
+        self.allocator.free(req.blocks)
+        req.blocks = []
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        return min(req.num_tokens - req.num_computed, self.config.prefill_chunk_size, budget)
+
+    def _blocks_needed(self, req: Request, n: int) -> int:
+        return self.allocator.blocks_for(req.num_computed + n) - len(req.blocks)
+
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        chosen: list[tuple[Request, int]] = []
+        # 1. running requests, oldest first: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._chunk(req, budget)
+            need = self._blocks_needed(req, n)
+            while need > self.allocator.num_free and req.status == Status.RUNNING:
+                self._preempt(self.running[-1])  # the newest goes first
+            if req.status != Status.RUNNING:
+                break
+            req.blocks += self.allocator.allocate(need)
+            chosen.append((req, n))
+            budget -= n
+            i += 1
+        # 2. admit waiting requests while tokens, sequence slots and free blocks allow
+        #    (not in a step that had to preempt: that would only thrash).
+        admit = self.num_preemptions == preemptions_before
+        max_seqs = self.config.max_num_seqs
+        while admit and self.waiting and budget > 0 and len(self.running) < max_seqs:
+            req = self.waiting[0]
+            n = self._chunk(req, budget)
+            need = self._blocks_needed(req, n)
+            if need > self.allocator.num_free:
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.blocks += self.allocator.allocate(need)
+            self.running.append(req)
+            chosen.append((req, n))
+            budget -= n
+        if not chosen:
+            return None
+        return self._build_plan(chosen)
+
+    def _build_plan(self, chosen: list[tuple[Request, int]]) -> ScheduledStep:
+        self._step_id += 1
+        step = ScheduledStep(StepPlan(self._step_id, []))
+        for req, n in chosen:
+            if not req.sent_to_workers:
+                step.plan.new_requests.append(
+                    NewRequestInfo(req.request_id, req.prompt_ids.tobytes(), req.params))
+                req.sent_to_workers = True
+            start = req.num_computed
+            seq = ScheduledSeq(
+                req.request_id,
+                req.tokens(start, start + n).tobytes(),
+                start,
+                pack_ids(req.blocks),
+                sample=start + n == req.num_tokens,
+            )
+            req.num_computed += n
+            if start < req.num_prompt:
+                self.prompt_tokens_total += min(n, req.num_prompt - start)
+            step.plan.seqs.append(seq)
+            step.scheduled.append((req, seq))
+        step.plan.finished = self._finished_for_workers
+        self._finished_for_workers = []
+        return step
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[TokenDelta]:
+        """Apply sampled tokens; returns one delta per sampled request."""
+        sampled = unpack_ids(result.sampled_ids)
+        deltas: list[TokenDelta] = []
+        k = 0
+        for req, seq in step.scheduled:
+            if not seq.sample:
+                continue
+            token = int(sampled[k])
+            logprobs = result.logprobs[k] if result.logprobs else None
+            k += 1
+            if req.status == Status.FINISHED:  # aborted while the step ran
+                continue
+            req.output_ids.append(token)
+            self.generation_tokens_total += 1
+            reason = req.check_finished(self.config.eos_token_ids)
+            deltas.append(TokenDelta(
+                req.request_id, pack_ids([token]), [logprobs] if logprobs else [], reason,
+                req.num_prompt, req.num_cached,
+            ))
+            if reason is not None:
+                self._finish(req, reason)
+        return deltas
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=self.allocator.num_blocks,
+            kv_blocks_free=self.allocator.num_free,
+            num_preemptions=self.num_preemptions,
+            num_steps=self._step_id,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )

@@ -1,0 +1,79 @@
+"""Shared fixtures: tiny random HF checkpoints (built once per session) and the default model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from engine.config import DEFAULT_MODEL_NAME
+from engine.envs import cache_dir
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def default_model_dir() -> Path:
+    path = cache_dir() / DEFAULT_MODEL_NAME
+    if not (path / "model.safetensors").exists():
+        from scripts.prepare_default_model import prepare
+
+        prepare(path)
+    return path
+
+
+def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
+    """Save a tiny random HF model with the default model's tokenizer (real chat template)."""
+    import torch
+    import transformers
+
+    base = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=136,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+    )
+    base.update(overrides)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**base)
+        cls = transformers.LlamaForCausalLM
+    elif arch == "qwen3":
+        base.setdefault("head_dim", 16)
+        cfg = transformers.Qwen3Config(**base)
+        cls = transformers.Qwen3ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(base.get("seed", 0) if "seed" in base else 0)
+    model = cls(cfg).to(torch.float32).eval()
+    # Random init is small; widen the logit spread so greedy choices are decisive.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    src = default_model_dir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    return default_model_dir()
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 3-layer, 64-wide random Llama that shares SmolLM2's tokenizer and chat template."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))

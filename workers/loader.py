@@ -1,0 +1,75 @@
+"""Build a model from an HF directory: config.json + *.safetensors, fused params by name."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from workers.layers.linear import Linear, MergedLinear
+from workers.models import model_class
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def load_config(model_dir: str) -> dict:
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    return cfg.get("text_config", cfg) | {"architectures": cfg.get("architectures")}
+
+
+def load_model(model_dir: str, dtype: str = "float32") -> nn.Module:
+    cfg = load_config(model_dir)
+    cls = model_class((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
+    with torch.device("cpu"):
+        model = cls(cfg)
+    load_weights(model, model_dir)
+    model.to(DTYPES[dtype])
+    for module in model.modules():
+        if isinstance(module, Linear):
+            module.finalize()
+    return model.eval()
+
+
+def load_weights(model: nn.Module, model_dir: str) -> None:
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    loaded: set[str] = set()
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if "rotary_emb.inv_freq" in name:
+                    continue
+                tensor = f.get_tensor(name)
+                loaded.add(_load_one(model, params, modules, name, tensor))
+    if getattr(model, "tie_word_embeddings", False):
+        model.tie_weights()
+        loaded.add("lm_head.weight")
+    missing = set(params) - loaded
+    if missing:
+        raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
+
+
+def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
+    for fragment, (fused, part) in model.stacked_params.items():
+        if f".{fragment}." in name:
+            target = name.replace(f".{fragment}.", f".{fused}.")
+            module_name, _, kind = target.rpartition(".")
+            module = modules[module_name]
+            assert isinstance(module, MergedLinear)
+            module.load_part(part, tensor, is_bias=kind == "bias")
+            return target
+    if name not in params:
+        if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
+            return name
+        raise ValueError(f"unexpected checkpoint weight {name}")
+    param = params[name]
+    if param.shape != tensor.shape:
+        raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+    param.data.copy_(tensor)
+    return name

@@ -1,0 +1,69 @@
+"""Runs one StepPlan: builds the batch tensors, runs the model over the paged cache, samples."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
+from workers.attention import AttentionMetadata
+from workers.loader import DTYPES, load_model
+from workers.sampler import Sampler, SamplingState
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model = load_model(config.resolved_model_dir(), config.dtype)
+        info = config.model_info()
+        self.block_size = config.block_size
+        self.num_blocks = config.kv_blocks()
+        slots = self.num_blocks * self.block_size
+        dtype = DTYPES[config.dtype]
+        # One (K, V) pair per layer, indexed by slot = block * block_size + offset.
+        self.kv_caches = [
+            (torch.zeros(slots, info.num_kv_heads, info.head_dim, dtype=dtype),
+             torch.zeros(slots, info.num_kv_heads, info.head_dim, dtype=dtype))
+            for _ in range(info.num_layers)
+        ]
+        self.sampler = Sampler(config.seed)
+        self.states: dict[str, SamplingState] = {}
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        for rid in plan.finished:
+            self.states.pop(rid, None)
+        for new in plan.new_requests:
+            prompt = torch.from_numpy(unpack_ids(new.prompt_ids).copy())
+            self.states[new.request_id] = SamplingState.create(new.params, prompt)
+        t0 = time.perf_counter()
+        ids, positions, seqs, sample_rows, sample_states = [], [], [], [], []
+        row = 0
+        for seq in plan.seqs:
+            tokens = unpack_ids(seq.token_ids)
+            n = len(tokens)
+            ids.append(tokens)
+            positions.append(np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int64))
+            seqs.append((unpack_ids(seq.block_table), seq.start_pos, n))
+            row += n
+            if seq.sample:
+                sample_rows.append(row - 1)
+                sample_states.append(self.states[seq.request_id])
+        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
+        pos = torch.from_numpy(np.concatenate(positions))
+        meta = AttentionMetadata.build(seqs, self.block_size)
+        hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        if not sample_rows:
+            return StepResult(plan.step_id, b"", forward_ms=(time.perf_counter() - t0) * 1e3)
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
+        t1 = time.perf_counter()
+        tokens, logprobs = self.sampler(logits, sample_states)
+        token_list = tokens.tolist()
+        for state, tok in zip(sample_states, token_list):
+            state.output_ids.append(tok)
+        t2 = time.perf_counter()
+        return StepResult(plan.step_id, pack_ids(token_list), logprobs,
+                          forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)

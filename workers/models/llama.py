@@ -1,0 +1,128 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3 with qk-norm).
+
+One flattened batch of tokens [T] per step; attention goes through the paged KV cache.
+Projections are fused (q|k|v, gate|up) and loaded through `STACKED_PARAMS`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from workers.attention import AttentionMetadata, paged_attention
+from workers.layers.linear import Linear, MergedLinear
+from workers.layers.norm import RMSNorm
+from workers.layers.rotary import RotaryEmbedding, rope_parameters
+
+# checkpoint name fragment -> (fused module fragment, part)
+STACKED_PARAMS = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", "gate"),
+    "up_proj": ("gate_up_proj", "up"),
+}
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hidden = cfg["hidden_size"]
+        self.num_heads = cfg["num_attention_heads"]
+        self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
+        self.head_dim = cfg.get("head_dim") or hidden // self.num_heads
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        bias = cfg.get("attention_bias", cfg.get("model_type") == "qwen2")
+        self.qkv_proj = MergedLinear(hidden, {"q": q, "k": kv, "v": kv}, bias=bias)
+        self.o_proj = Linear(q, hidden, bias=cfg.get("attention_bias", False)
+                             if cfg.get("model_type") != "qwen2" else False)
+        self.qk_norm = cfg.get("model_type") in ("qwen3", "qwen3_moe")
+        if self.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+            self.k_norm = RMSNorm(self.head_dim, cfg["rms_norm_eps"])
+        self.rotary = rotary
+        self.scale = self.head_dim**-0.5
+        self._split = (q, kv, kv)
+
+    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor], meta):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+        bias = cfg.get("mlp_bias", False)
+        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
+        self.down_proj = Linear(inter, hidden, bias=bias)
+        self._inter = inter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self._inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: dict, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        eps = cfg["rms_norm_eps"]
+        self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.self_attn = Attention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, kv, meta):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        heads = cfg["num_attention_heads"]
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        rotary = RotaryEmbedding(head_dim, cfg.get("max_position_embeddings", 4096),
+                                 rope_parameters(cfg))
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(
+            cfg["num_hidden_layers"]))
+        self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
+        self.rotary = rotary
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+        x = self.embed_tokens(input_ids)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    stacked_params = STACKED_PARAMS
+
+    def __init__(self, cfg: dict) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg)
+        self.tie_word_embeddings = cfg.get("tie_word_embeddings", False)
+        self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
+
+    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    def tie_weights(self) -> None:
+        if self.tie_word_embeddings:
+            self.lm_head.weight.data = self.model.embed_tokens.weight.data

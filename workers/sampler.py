@@ -1,0 +1,137 @@
+"""Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Each request keeps its own torch.Generator when it has a seed, so its draws depend only on its
+seed and its own history, never on what else shares the batch. Sampling uses the exponential
+race (argmax of p / Exp(1) noise), which is equivalent to drawing from p.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.protocol import SamplingParams
+
+
+@dataclass
+class SamplingState:
+    """What one request needs across steps (lives on every worker for the request's life)."""
+
+    params: SamplingParams
+    prompt_ids: torch.Tensor
+    output_ids: list[int] = field(default_factory=list)
+    generator: torch.Generator | None = None
+
+    @classmethod
+    def create(cls, params: SamplingParams, prompt_ids: torch.Tensor) -> SamplingState:
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator()
+            gen.manual_seed(params.seed)
+        return cls(params, prompt_ids, [], gen)
+
+    @property
+    def needs_penalties(self) -> bool:
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.frequency_penalty != 0 or p.presence_penalty != 0
+
+
+LogprobEntry = tuple[int, float, list[int], list[float]]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator()
+        self.generator.manual_seed(seed)
+
+    def __call__(
+        self, logits: torch.Tensor, states: list[SamplingState]
+    ) -> tuple[torch.Tensor, list[LogprobEntry | None]]:
+        """logits: [S, V] float32, one row per state. Returns token ids [S] and logprobs."""
+        raw = logits
+        if any(s.needs_penalties for s in states):
+            logits = apply_penalties(logits.clone(), states)
+        greedy = [s.params.is_greedy() for s in states]
+        if all(greedy):
+            tokens = logits.argmax(dim=-1)
+        else:
+            tokens = self._sample(logits, states, greedy)
+        return tokens, _logprobs(raw, tokens, states)
+
+    def _sample(self, logits: torch.Tensor, states, greedy: list[bool]) -> torch.Tensor:
+        n, vocab = logits.shape
+        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(states, greedy)])
+        logits = logits / temps.unsqueeze(1)
+        top_k = [s.params.top_k for s in states]
+        top_p = [s.params.top_p for s in states]
+        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)
+        min_p = torch.tensor([s.params.min_p for s in states])
+        if bool((min_p > 0).any()):
+            limit = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+            probs = probs.masked_fill(probs < limit, 0.0)
+        noise = torch.empty_like(probs).exponential_(generator=self.generator)
+        for i, s in enumerate(states):
+            if s.generator is not None and not greedy[i]:
+                noise[i].exponential_(generator=s.generator)
+        sampled = (probs / noise).argmax(dim=-1)
+        greedy_t = torch.tensor(greedy)
+        if bool(greedy_t.any()):
+            sampled = torch.where(greedy_t, logits.argmax(dim=-1), sampled)
+        return sampled
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+    """Repetition (prompt + output, HF style), frequency and presence (output only)."""
+    vocab = logits.shape[1]
+    for i, s in enumerate(states):
+        if not s.needs_penalties:
+            continue
+        p = s.params
+        out = torch.tensor(s.output_ids, dtype=torch.int64)
+        if p.repetition_penalty != 1.0:
+            seen = torch.cat([s.prompt_ids.long(), out]).unique()
+            row = logits[i, seen]
+            logits[i, seen] = torch.where(row > 0, row / p.repetition_penalty,
+                                          row * p.repetition_penalty)
+        if len(out) and (p.frequency_penalty or p.presence_penalty):
+            counts = torch.bincount(out, minlength=vocab).to(logits.dtype)
+            logits[i] -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    return logits
+
+
+def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[1]
+    k = torch.tensor([kk if kk > 0 else vocab for kk in top_k]).clamp(max=vocab)
+    ranks = torch.arange(vocab).unsqueeze(0)
+    drop = ranks >= k.unsqueeze(1)
+    p = torch.tensor(top_p)
+    if bool((p < 1.0).any()):
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+        # Keep the smallest prefix whose mass reaches p (the top token always stays).
+        before = probs.cumsum(dim=-1) - probs
+        drop |= before >= p.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, states) -> list[LogprobEntry | None]:
+    wanted = [s.params.logprobs for s in states]
+    if all(w is None for w in wanted):
+        return []
+    logp = raw.log_softmax(dim=-1)
+    out: list[LogprobEntry | None] = []
+    for i, k in enumerate(wanted):
+        if k is None:
+            out.append(None)
+            continue
+        tok = int(tokens[i])
+        top_ids, top_vals = ([], [])
+        if k > 0:
+            vals, ids = logp[i].topk(k)
+            top_ids, top_vals = ids.tolist(), vals.tolist()
+        out.append((tok, float(logp[i, tok]), top_ids, top_vals))
+    return out

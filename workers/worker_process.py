@@ -1,0 +1,49 @@
+"""The worker actor: loads the model and KV cache, then runs every StepPlan it is sent.
+
+Its loop is plain blocking ZeroMQ: a worker does one thing at a time and must not share its
+cores with an event loop. Only rank 0 answers the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import msgspec
+import torch
+
+from engine import envs
+from engine.ipc import pull, push
+from engine.process_entry import ChildContext
+from engine.protocol import SchedulerToWorker, Shutdown
+
+log = logging.getLogger("deepinfer.worker")
+
+
+def _threads(ctx: ChildContext) -> int:
+    explicit = ctx.config.worker_threads or envs.worker_threads()
+    if explicit:
+        return explicit
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // ctx.config.tensor_parallel_size)
+
+
+def main(ctx: ChildContext) -> None:
+    from workers.model_runner import ModelRunner
+
+    torch.set_num_threads(_threads(ctx))
+    runner = ModelRunner(ctx.config)
+    inbound = pull(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
+    to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
+    decode = msgspec.msgpack.Decoder(SchedulerToWorker).decode
+    encode = msgspec.msgpack.Encoder().encode
+    log.info("rank %d ready: %d KV blocks, %d threads", ctx.rank, runner.num_blocks,
+             torch.get_num_threads())
+    ctx.ready(num_kv_blocks=str(runner.num_blocks))
+    while True:
+        msg = decode(inbound.recv())
+        if isinstance(msg, Shutdown):
+            return
+        result = runner.execute(msg)
+        if to_scheduler is not None:
+            to_scheduler.send(encode(result))
