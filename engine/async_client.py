@@ -63,6 +63,7 @@ class AsyncEngineClient:
         self._reader = asyncio.create_task(self._read_outputs())
 
         def failed(reason: str) -> None:
+            self.dead_reason = reason
             self._loop.call_soon_threadsafe(self._fail_all, reason)
             if on_failure is not None:
                 self._loop.call_soon_threadsafe(on_failure, reason)
@@ -123,6 +124,7 @@ class AsyncEngineClient:
     async def shutdown(self) -> None:
         if self._reader is not None:
             self._reader.cancel()
-        await asyncio.to_thread(self.launcher.shutdown)
+        # Blocking on purpose (a few seconds at most): at interpreter exit no executor is left.
+        self.launcher.shutdown()
         self._in.close(0)
         self._out.close(0)

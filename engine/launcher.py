@@ -8,20 +8,20 @@ stops the others and calls `on_failure`. `shutdown()` stops every child within a
 
 from __future__ import annotations
 
+import base64
 import logging
-import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
-from multiprocessing.connection import wait
 
 import msgspec
 import zmq
 
 from engine.config import EngineConfig
 from engine.ipc import Endpoints
-from engine.process_entry import run_child
 from engine.protocol import ControlMessage, ProcessFailed, ProcessReady
 
 log = logging.getLogger("deepinfer.launcher")
@@ -40,7 +40,7 @@ class Launcher:
     def __init__(self, config: EngineConfig, endpoints: Endpoints) -> None:
         self.config = config
         self.endpoints = endpoints
-        self.procs: dict[str, mp.process.BaseProcess] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
         self.ready_info: dict[str, dict[str, str]] = {}
         self.failure: str | None = None
         self._stopping = False
@@ -52,19 +52,16 @@ class Launcher:
         self._reports: dict[str, str] = {}
 
     def start(self, timeout: float = 300.0) -> None:
-        ctx = mp.get_context("spawn")
-        cfg, eps = self.config.encode(), msgspec.msgpack.encode(self.endpoints)
+        # Fresh interpreters (`python -m engine.process_entry`), not multiprocessing: the
+        # caller's __main__ is never re-imported, so scripts need no `if __name__` guard.
+        b64 = lambda data: base64.b64encode(data).decode()
+        cfg, eps = b64(self.config.encode()), b64(msgspec.msgpack.encode(self.endpoints))
         children = [("tokenizer", TOKENIZER, 0), ("scheduler", SCHEDULER, 0)]
         children += [(f"worker{r}", WORKER, r) for r in range(self.config.tensor_parallel_size)]
         for name, target, rank in children:
-            proc = ctx.Process(
-                target=run_child,
-                args=(name, target, cfg, eps, rank, os.getpid()),
-                name=f"deepinfer-{name}",
-                daemon=True,
-            )
-            proc.start()
-            self.procs[name] = proc
+            argv = [sys.executable, "-m", "engine.process_entry", name, target, cfg, eps,
+                    str(rank), str(os.getpid())]
+            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready(timeout)
         except BaseException:
@@ -84,8 +81,8 @@ class Launcher:
                 else:
                     raise EngineStartupError(f"{msg.name} failed to start: {msg.error}")
             for name, proc in self.procs.items():
-                if not proc.is_alive():
-                    why = self._drain_reports().get(name, f"exit code {proc.exitcode}")
+                if proc.poll() is not None:
+                    why = self._drain_reports().get(name, f"exit code {proc.returncode}")
                     raise EngineStartupError(f"{name} died during start-up: {why}")
 
     def _drain_reports(self) -> dict[str, str]:
@@ -99,41 +96,41 @@ class Launcher:
         """Watch the children in a daemon thread; call on_failure(reason) if one dies."""
 
         def watch() -> None:
-            sentinels = {p.sentinel: name for name, p in self.procs.items()}
-            ready = wait(list(sentinels))
+            while not self._stopping:
+                dead = [name for name, p in self.procs.items() if p.poll() is not None]
+                if dead:
+                    break
+                time.sleep(0.1)
             if self._stopping:
                 return
             time.sleep(0.2)  # give a dying child's failure report time to arrive
             reports = self._drain_reports()
-            dead = [sentinels[s] for s in ready]
             parts = []
             for name in dead:
-                code = self.procs[name].exitcode
+                code = self.procs[name].returncode
                 parts.append(f"{name} exited (code {code})" + (
                     f": {reports[name]}" if name in reports else ""))
             self.failure = "; ".join(parts)
             log.error("engine process died: %s; stopping the others", self.failure)
-            self.shutdown()
             on_failure(self.failure)
+            self.shutdown()
 
         threading.Thread(target=watch, name="deepinfer-supervisor", daemon=True).start()
 
     def alive(self) -> bool:
-        return bool(self.procs) and all(p.is_alive() for p in self.procs.values())
+        return bool(self.procs) and all(p.poll() is None for p in self.procs.values())
 
     def shutdown(self, timeout: float = 3.0) -> None:
-        if self._stopping and not any(p.is_alive() for p in self.procs.values()):
-            self.endpoints.remove()
-            return
         self._stopping = True
         for proc in self.procs.values():
-            if proc.is_alive():
+            if proc.poll() is None:
                 proc.terminate()
         deadline = time.monotonic() + timeout
         for proc in self.procs.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 proc.kill()
-                proc.join(1.0)
+                proc.wait(1.0)
         self._control.close(0)
         self.endpoints.remove()

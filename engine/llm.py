@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import threading
 from collections.abc import Sequence
@@ -44,7 +45,10 @@ class LLM:
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()
         self._ids = itertools.count()
+        self._closed = False
         self.client = self._run(self._make_client())
+        # Ctrl-C or the end of a script must still stop the engine processes cleanly.
+        atexit.register(self.shutdown)
 
     async def _make_client(self) -> AsyncEngineClient:
         client = AsyncEngineClient(self.config)
@@ -102,8 +106,13 @@ class LLM:
         return self.client.stats
 
     def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
         if self._loop.is_running():
-            self._run(self.client.shutdown())
+            fut = asyncio.run_coroutine_threadsafe(self.client.shutdown(), self._loop)
+            fut.result(timeout=10)
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(5)
 
@@ -112,9 +121,3 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.shutdown()
-
-    def __del__(self) -> None:
-        try:
-            self.shutdown()
-        except Exception:
-            pass

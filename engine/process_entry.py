@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import base64
 import importlib
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -29,10 +31,12 @@ def setup_logging(name: str) -> None:
     )
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # A child whose launcher is gone (even SIGKILLed) must not linger as an orphan.
+def _watch_parent(parent_pid: int, socket_dir: str) -> None:
+    # A child whose launcher is gone (even SIGKILLed) must not linger as an orphan, nor leave
+    # the socket directory behind.
     while True:
         if os.getppid() != parent_pid:
+            shutil.rmtree(socket_dir, ignore_errors=True)
             os._exit(1)
         time.sleep(0.5)
 
@@ -65,9 +69,9 @@ def run_child(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))
     setup_logging(name)
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
     config = EngineConfig.decode(config_bytes)
     endpoints = msgspec.msgpack.decode(endpoints_bytes, type=Endpoints)
+    threading.Thread(target=_watch_parent, args=(parent, endpoints.root), daemon=True).start()
     ctx = ChildContext(name, config, endpoints, rank)
     try:
         module, func = target.split(":")
@@ -79,3 +83,9 @@ def run_child(
         ctx.failed(f"{type(exc).__name__}: {exc}")
         time.sleep(0.2)  # let the report leave before the socket closes
         os._exit(1)
+
+
+if __name__ == "__main__":
+    _name, _target, _cfg, _eps, _rank, _parent = sys.argv[1:7]
+    run_child(_name, _target, base64.b64decode(_cfg), base64.b64decode(_eps), int(_rank),
+              int(_parent))

