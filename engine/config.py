@@ -64,6 +64,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefill_chunk_size: int = 512
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    # Plan step N+1 while the workers compute step N (see engine/scheduler_process.py).
+    overlap_scheduling: bool = True
     seed: int = 0
     worker_threads: int | None = None
 

@@ -121,6 +121,13 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     num_steps: int = 0
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
+    # Cumulative seconds per phase of a step (for /metrics and the engine-overhead figure).
+    schedule_seconds: float = 0.0  # scheduler: picking the batch, building the plan
+    update_seconds: float = 0.0  # scheduler: applying results
+    wait_seconds: float = 0.0  # scheduler: waiting for the workers (IPC + compute)
+    forward_seconds: float = 0.0  # worker: model forward
+    sample_seconds: float = 0.0  # worker: sampling
+    detokenize_seconds: float = 0.0  # tokenizer: detokenization and stop strings
 
 
 class OutputBatch(msgspec.Struct, tag=True, **_STRUCT):
@@ -165,7 +172,11 @@ class NewRequestInfo(msgspec.Struct, **_STRUCT):
 
 
 class ScheduledSeq(msgspec.Struct, **_STRUCT):
-    """One request's slice of a step: compute `token_ids` at positions start.. and maybe sample."""
+    """One request's slice of a step: compute `token_ids` at positions start.. and maybe sample.
+
+    Empty `token_ids` is the overlap placeholder: "the token you sampled for this request in
+    the previous step", which the scheduler does not know yet when it plans this one.
+    """
 
     request_id: str
     token_ids: bytes

@@ -19,6 +19,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "params", "num_computed", "blocks",
         "status", "finish_reason", "arrival", "num_cached", "max_len", "sent_to_workers",
+        "num_pending",
     )
 
     def __init__(
@@ -37,10 +38,23 @@ class Request:
         self.num_cached = 0  # prompt tokens served from the prefix cache
         self.max_len = max_len  # prompt + output may not exceed this (context, KV capacity)
         self.sent_to_workers = False
+        # Tokens sampled by a step still in flight (overlap scheduling): known to the worker,
+        # not yet to us. At most one.
+        self.num_pending = 0
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def total_tokens(self) -> int:
+        """Known tokens plus the ones being sampled right now."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    def length_exhausted(self) -> bool:
+        """True when the tokens already known or in flight reach max_tokens or max_len."""
+        return (len(self.output_ids) + self.num_pending >= self.params.max_tokens
+                or self.total_tokens >= self.max_len)
 
     @property
     def num_prompt(self) -> int:

@@ -116,7 +116,7 @@ class Scheduler:
         self.num_preemptions += 1
 
     def _chunk(self, req: Request, budget: int) -> int:
-        return min(req.num_tokens - req.num_computed, self.config.prefill_chunk_size, budget)
+        return min(req.total_tokens - req.num_computed, self.config.prefill_chunk_size, budget)
 
     def _blocks_needed(self, req: Request, n: int) -> int:
         return self.allocator.blocks_for(req.num_computed + n) - len(req.blocks)
@@ -129,6 +129,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and req.length_exhausted():
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
             n = self._chunk(req, budget)
             need = self._blocks_needed(req, n)
             while need > self.allocator.num_free and req.status == Status.RUNNING:
@@ -145,6 +148,8 @@ class Scheduler:
         max_seqs = self.config.max_num_seqs
         while admit and self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted with a token in flight: recompute once it is known
             n = self._chunk(req, budget)
             need = self._blocks_needed(req, n)
             if need > self.allocator.num_free:
@@ -168,14 +173,17 @@ class Scheduler:
                     NewRequestInfo(req.request_id, req.prompt_ids.tobytes(), req.params))
                 req.sent_to_workers = True
             start = req.num_computed
-            seq = ScheduledSeq(
-                req.request_id,
-                req.tokens(start, start + n).tobytes(),
-                start,
-                pack_ids(req.blocks),
-                sample=start + n == req.num_tokens,
-            )
+            if req.num_pending:
+                # Overlap: the input is the token the in-flight step is sampling; the worker
+                # fills it in (empty token_ids is the placeholder).
+                assert n == 1 and start == req.num_tokens
+                token_ids = b""
+            else:
+                token_ids = req.tokens(start, start + n).tobytes()
+            sample = start + n == req.total_tokens
+            seq = ScheduledSeq(req.request_id, token_ids, start, pack_ids(req.blocks), sample)
             req.num_computed += n
+            req.num_pending += sample
             if start < req.num_prompt:
                 self.prompt_tokens_total += min(n, req.num_prompt - start)
             step.plan.seqs.append(seq)
@@ -195,7 +203,8 @@ class Scheduler:
             token = int(sampled[k])
             logprobs = result.logprobs[k] if result.logprobs else None
             k += 1
-            if req.status == Status.FINISHED:  # aborted while the step ran
+            req.num_pending -= 1
+            if req.status == Status.FINISHED:  # aborted, or finished by its previous token
                 continue
             req.output_ids.append(token)
             self.generation_tokens_total += 1

@@ -1,16 +1,22 @@
-"""The scheduler actor: requests in from the tokenizer, step plans out to the workers."""
+"""The scheduler actor: requests in from the tokenizer, step plans out to the workers.
+
+With overlap scheduling (the default) the loop sends plan N+1 before it reads result N, so
+the workers always have the next step queued while the scheduler applies the previous one;
+step N+1 refers to tokens sampled in step N by placeholder (see ScheduledSeq).
+"""
 
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import zmq
 
 from engine.ipc import pull, push
 from engine.process_entry import ChildContext
-from engine.protocol import Abort, StepPlan, StepResult, TokenBatch, TokenizedRequest
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.protocol import Abort, StepResult, TokenBatch, TokenizedRequest
+from engine.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 
 log = logging.getLogger("deepinfer.scheduler")
 
@@ -31,54 +37,95 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
     ))
 
 
-def main(ctx: ChildContext) -> None:
-    scheduler = build_scheduler(ctx)
-    inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
-    to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
-    to_workers = [push(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
-    decode = msgspec.msgpack.Decoder(Inbound).decode
-    encode = msgspec.msgpack.Encoder().encode
-    pending: list = []  # requests/aborts that arrived while a step ran
-    ctx.ready(num_kv_blocks=str(scheduler.allocator.num_blocks))
+class SchedulerLoop:
+    def __init__(self, ctx: ChildContext) -> None:
+        self.scheduler = build_scheduler(ctx)
+        self.overlap = ctx.config.overlap_scheduling
+        self.inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
+        self.to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
+        self.to_workers = [push(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
+        self.decode = msgspec.msgpack.Decoder(Inbound).decode
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.pending: list = []  # requests/aborts that arrived while we waited for a result
+        self.results: dict[int, StepResult] = {}
+        self.stats = self.scheduler.stats()
 
-    def handle(msgs: list) -> None:
+    def run(self) -> None:
+        in_flight: ScheduledStep | None = None
+        while True:
+            idle = in_flight is None and not self.scheduler.has_work()
+            self._handle(self._drain(block=idle and not self.pending))
+            t0 = time.perf_counter()
+            step = self.scheduler.schedule()
+            self.stats.schedule_seconds += time.perf_counter() - t0
+            if step is not None:
+                payload = self.encode(step.plan)
+                for sock in self.to_workers:
+                    sock.send(payload)
+            if in_flight is not None:
+                self._finish_step(in_flight)
+            if step is not None and not self.overlap:
+                self._finish_step(step)
+                step = None
+            if step is None and in_flight is None and self.scheduler.has_work():
+                self.pending.append(self.decode(self.inbound.recv()))  # nothing fits: wait
+            in_flight = step
+
+    def _drain(self, block: bool) -> list:
+        msgs, self.pending = self.pending, []
+        if block:
+            msgs.append(self.decode(self.inbound.recv()))  # idle: block, never spin
+        while self.inbound.poll(0):
+            msgs.append(self.decode(self.inbound.recv(zmq.NOBLOCK)))
+        return msgs
+
+    def _handle(self, msgs: list) -> None:
+        if not msgs:
+            return
         errors = []
         for msg in msgs:
             if isinstance(msg, TokenizedRequest):
-                err = scheduler.add(msg)
+                err = self.scheduler.add(msg)
                 if err is not None:
                     errors.append(err)
             elif isinstance(msg, Abort):
-                scheduler.abort(msg.request_ids)
+                self.scheduler.abort(msg.request_ids)
+            else:
+                self.results[msg.step_id] = msg
         # Always report: rejections, and freed blocks after aborts, show up right away.
-        to_tokenizer.send(encode(TokenBatch(errors, scheduler.stats())))
+        self.to_tokenizer.send(self.encode(TokenBatch(errors, self._stats())))
 
-    while True:
-        msgs, pending = pending, []
-        if not msgs and not scheduler.has_work():
-            msgs.append(decode(inbound.recv()))  # idle: block, never spin
-        while inbound.poll(0):
-            msgs.append(decode(inbound.recv(zmq.NOBLOCK)))
-        if msgs:
-            handle(msgs)
-        step = scheduler.schedule()
-        if step is None:
-            if scheduler.has_work():  # nothing fits right now: wait for news, do not spin
-                pending.append(decode(inbound.recv()))
-            continue
-        payload = encode(step.plan)
-        for sock in to_workers:
-            sock.send(payload)
-        result = _await_result(inbound, decode, step.plan, pending)
-        deltas = scheduler.update(step, result)
-        to_tokenizer.send(encode(TokenBatch(deltas, scheduler.stats())))
+    def _finish_step(self, step: ScheduledStep) -> None:
+        t0 = time.perf_counter()
+        result = self._await_result(step.plan.step_id)
+        t1 = time.perf_counter()
+        deltas = self.scheduler.update(step, result)
+        s = self.stats
+        s.wait_seconds += t1 - t0
+        s.update_seconds += time.perf_counter() - t1
+        s.forward_seconds += result.forward_ms / 1e3
+        s.sample_seconds += result.sample_ms / 1e3
+        self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
+
+    def _await_result(self, step_id: int) -> StepResult:
+        while step_id not in self.results:
+            msg = self.decode(self.inbound.recv())
+            if isinstance(msg, StepResult):
+                self.results[msg.step_id] = msg
+            else:
+                self.pending.append(msg)
+        return self.results.pop(step_id)
+
+    def _stats(self):
+        fresh = self.scheduler.stats()
+        for name in ("schedule_seconds", "update_seconds", "wait_seconds", "forward_seconds",
+                     "sample_seconds"):
+            setattr(fresh, name, getattr(self.stats, name))
+        self.stats = fresh
+        return fresh
 
 
-def _await_result(inbound: zmq.Socket, decode, plan: StepPlan, pending: list) -> StepResult:
-    while True:
-        msg = decode(inbound.recv())
-        if isinstance(msg, StepResult):
-            if msg.step_id != plan.step_id:
-                raise RuntimeError(f"expected result of step {plan.step_id}, got {msg.step_id}")
-            return msg
-        pending.append(msg)
+def main(ctx: ChildContext) -> None:
+    loop = SchedulerLoop(ctx)
+    ctx.ready(num_kv_blocks=str(loop.scheduler.allocator.num_blocks))
+    loop.run()

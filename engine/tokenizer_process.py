@@ -7,6 +7,7 @@ strings are matched here; a match finishes the request and aborts it in the sche
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import zmq
@@ -64,6 +65,7 @@ class TokenizerService:
                 bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
                 if bad:
                     raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
+                prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
             elif req.prompt is not None:
                 prompt_text = req.prompt
                 ids = self.tokenizer.encode(req.prompt)
@@ -139,6 +141,7 @@ def main(ctx: ChildContext) -> None:
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in)
     decode = msgspec.msgpack.Decoder(Inbound).decode
     encode = msgspec.msgpack.Encoder().encode
+    detokenize_seconds = 0.0
     ctx.ready(context_len=str(cfg.context_len()), vocab_size=str(service.tokenizer.vocab_size))
     while True:
         # Block until something arrives, then drain everything queued and answer once.
@@ -157,6 +160,7 @@ def main(ctx: ChildContext) -> None:
                 service.abort(msg.request_ids)
                 to_scheduler.send(encode(msg))
             else:
+                t0 = time.perf_counter()
                 stats = msg.stats or stats
                 stopped = []
                 for delta in msg.deltas:
@@ -167,5 +171,8 @@ def main(ctx: ChildContext) -> None:
                         stopped.append(delta.request_id)
                 if stopped:
                     to_scheduler.send(encode(Abort(stopped)))
+                detokenize_seconds += time.perf_counter() - t0
+        if stats is not None:
+            stats.detokenize_seconds = detokenize_seconds
         if outputs or stats is not None:
             to_client.send(encode(OutputBatch(outputs, stats)))

@@ -12,8 +12,17 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator
 
-from engine.protocol import FinishReason, GenerateRequest, RequestOutput
+import msgspec
+
+from engine.protocol import (
+    FinishReason,
+    GenerateRequest,
+    PositionLogprobs,
+    RequestOutput,
+    SamplingParams,
+)
 from frontend.errors import APIError, server_error
+from frontend.openai_responses import PromptTokensDetails, Usage
 from frontend.state import ServerState
 
 _DONE = object()
@@ -40,13 +49,16 @@ class Generation:
         self.first_token_at: float | None = None
         self.prompt_tokens = [0] * self.n
         self.completion_tokens = [0] * self.n
+        self.cached_tokens = [0] * self.n
         state.admit(self.n)  # raises 503 when the queue is full
         self._closed = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._early: deque[tuple[int, RequestOutput]] = deque()
         self._live = self.n
         client = state.client
-        self._tasks = [asyncio.create_task(self._pump(i, client, r)) for i, r in enumerate(requests)]
+        self._tasks = [
+            asyncio.create_task(self._pump(i, client, r)) for i, r in enumerate(requests)
+        ]
 
     async def _pump(self, i: int, client, request: GenerateRequest) -> None:
         try:
@@ -75,6 +87,15 @@ class Generation:
             self.state.metrics.ttft.observe(self.first_token_at - self.started)
         self.prompt_tokens[i] = out.prompt_tokens or self.prompt_tokens[i]
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
+        self.cached_tokens[i] = max(self.cached_tokens[i], out.cached_tokens)
+
+    def usage(self, choices_per_prompt: int) -> Usage:
+        """OpenAI usage: each prompt counted once however many choices it has."""
+        firsts = range(0, self.n, choices_per_prompt)
+        prompt = sum(self.prompt_tokens[i] for i in firsts)
+        completion = sum(self.completion_tokens)
+        cached = sum(self.cached_tokens[i] for i in firsts)
+        return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
 
     async def first_outputs(self) -> list[RequestOutput]:
         """Wait for every request's first output (prompt accepted or rejected).
@@ -124,7 +145,36 @@ class Generation:
         await self.close()
 
 
-def _without_prompt(out: RequestOutput) -> RequestOutput:
-    import msgspec
+class ChoiceResult:
+    """One choice of a non-streaming response, accumulated from its outputs."""
 
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.logprobs: list[PositionLogprobs] = []
+        self.finish_reason: str | None = None
+
+
+async def collect(gen: Generation) -> list[ChoiceResult]:
+    """Run every request to its end; an engine failure on the way is a 5xx."""
+    results = [ChoiceResult() for _ in range(gen.n)]
+    async with gen:
+        async for i, out in gen:
+            if out.finish_reason == FinishReason.ERROR:
+                raise engine_error(gen.state, out.error or "request failed", gen.param)
+            r = results[i]
+            r.text.append(out.text)
+            r.logprobs.extend(out.logprobs)
+            if out.finish_reason is not None:
+                r.finish_reason = FinishReason(out.finish_reason).openai()
+    return results
+
+
+def seeded(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th choice's params: a given seed becomes seed + i so choices differ."""
+    if params.seed is None or i == 0:
+        return params
+    return msgspec.structs.replace(params, seed=params.seed + i)
+
+
+def _without_prompt(out: RequestOutput) -> RequestOutput:
     return msgspec.structs.replace(out, prompt_text=None)

@@ -54,8 +54,11 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> Samp
     _check(top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {top_k}")
     min_p = req.min_p or 0.0
     _check(0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}")
-    penalties = {"frequency_penalty": req.frequency_penalty, "presence_penalty": req.presence_penalty}
-    for name, value in penalties.items():
+    penalties = (
+        ("frequency_penalty", req.frequency_penalty),
+        ("presence_penalty", req.presence_penalty),
+    )
+    for name, value in penalties:
         _check(value is None or -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
     rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
     _check(rep > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {rep}")
@@ -115,7 +118,7 @@ def chat_params(req: ChatCompletionRequest, context_len: int) -> SamplingParams:
 
 def completion_params(req: CompletionRequest, context_len: int) -> SamplingParams:
     n = 1 if req.n is None else req.n
-    _check(req.best_of is None or req.best_of == n, "best_of", "best_of other than n is not supported")
+    _check(req.best_of in (None, n), "best_of", "best_of other than n is not supported")
     _check(req.suffix is None, "suffix", "suffix is not supported")
     max_tokens = _max_tokens(
         req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, context_len

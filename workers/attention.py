@@ -1,8 +1,9 @@
 """Attention over the paged KV cache (torch backend: CPU and reference).
 
-The KV cache of a layer is two tensors [num_slots, kv_heads, head_dim], slot = block * size +
-offset. A step writes its new K/V at `slot_mapping`, then attends:
-- all decode rows (one query each) in one batched SDPA call over their padded contexts;
+A layer's cache is two tensors [num_blocks, block_size, kv_heads, head_dim]. A step writes its
+new K/V at `slot_mapping` (slot = block * block_size + offset), then attends:
+- all decode rows (one query each) in one batched SDPA call over their block-gathered contexts
+  (gathering whole blocks with one index_select is ~1.5x cheaper than gathering slots);
 - each prefill chunk in its own SDPA call (causal within the chunk, full over earlier tokens).
 """
 
@@ -19,7 +20,8 @@ import torch.nn.functional as F
 class PrefillSeq:
     start: int  # first row of this chunk in the flattened batch
     end: int
-    ctx_slots: torch.Tensor  # [ctx_len] cache slots of positions 0..ctx_len-1
+    blocks: torch.Tensor  # [num_blocks] the request's block table (covers the context)
+    ctx_len: int
     start_pos: int  # position of the chunk's first token
 
 
@@ -27,8 +29,8 @@ class PrefillSeq:
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
     decode_rows: torch.Tensor | None  # [B] rows of single-token (decode) queries
-    decode_slots: torch.Tensor | None  # [B, L] padded context slots
-    decode_mask: torch.Tensor | None  # [B, 1, 1, L] True where a key is visible
+    decode_blocks: torch.Tensor | None  # [B * MB] padded block tables, flattened
+    decode_mask: torch.Tensor | None  # [B, 1, 1, MB * block_size] True where a key is visible
     prefills: list[PrefillSeq]
 
     @classmethod
@@ -36,36 +38,42 @@ class AttentionMetadata:
         cls, seqs: list[tuple[np.ndarray, int, int]], block_size: int
     ) -> AttentionMetadata:
         """seqs: (block_table, start_pos, num_tokens) in batch order."""
-        slot_parts, prefills = [], []
-        dec_rows, dec_ctx = [], []
+        slot_parts, prefills, dec_rows, dec_tables, dec_lens = [], [], [], [], []
         row = 0
         for table, start, n in seqs:
-            ctx_len = start + n
-            pos = np.arange(ctx_len, dtype=np.int64)
-            slots = table[pos // block_size].astype(np.int64) * block_size + pos % block_size
-            slot_parts.append(slots[start:])
+            pos = np.arange(start, start + n, dtype=np.int64)
+            slot_parts.append(table[pos // block_size].astype(np.int64) * block_size
+                              + pos % block_size)
+            used = table[: -(-(start + n) // block_size)]
             if n == 1:
                 dec_rows.append(row)
-                dec_ctx.append(slots)
+                dec_tables.append(used)
+                dec_lens.append(start + 1)
             else:
-                prefills.append(PrefillSeq(row, row + n, torch.from_numpy(slots), start))
+                prefills.append(PrefillSeq(row, row + n, torch.from_numpy(used.astype(np.int64)),
+                                           start + n, start))
             row += n
         slot_mapping = torch.from_numpy(np.concatenate(slot_parts))
         if not dec_rows:
             return cls(slot_mapping, None, None, None, prefills)
-        width = max(len(c) for c in dec_ctx)
-        padded = np.zeros((len(dec_ctx), width), dtype=np.int64)
-        mask = np.zeros((len(dec_ctx), width), dtype=bool)
-        for i, c in enumerate(dec_ctx):
-            padded[i, : len(c)] = c
-            mask[i, : len(c)] = True
+        width = max(len(t) for t in dec_tables)
+        padded = np.zeros((len(dec_tables), width), dtype=np.int64)
+        for i, t in enumerate(dec_tables):
+            padded[i, : len(t)] = t
+        mask = np.arange(width * block_size)[None, :] < np.asarray(dec_lens)[:, None]
         return cls(
             slot_mapping,
             torch.tensor(dec_rows, dtype=torch.int64),
-            torch.from_numpy(padded),
+            torch.from_numpy(padded.reshape(-1)),
             torch.from_numpy(mask)[:, None, None, :],
             prefills,
         )
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:
+    """[B * MB] block ids -> [B, KVH, MB * block_size, D] keys or values."""
+    g = cache.index_select(0, blocks)
+    return g.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
 
 
 def paged_attention(
@@ -78,8 +86,8 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] (this step's). Returns [T, H, D]."""
-    k_cache.index_copy_(0, meta.slot_mapping, k)
-    v_cache.index_copy_(0, meta.slot_mapping, v)
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode_rows is not None and not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scale, gqa)
@@ -95,11 +103,11 @@ def paged_attention(
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
-            ks = k_cache[p.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-            vs = v_cache[p.ctx_slots].transpose(0, 1).unsqueeze(0)
-            n, ctx = p.end - p.start, len(p.ctx_slots)
+            ks = _gather(k_cache, p.blocks, 1)[:, :, : p.ctx_len]
+            vs = _gather(v_cache, p.blocks, 1)[:, :, : p.ctx_len]
+            n = p.end - p.start
             q_pos = torch.arange(p.start_pos, p.start_pos + n).unsqueeze(1)
-            mask = torch.arange(ctx).unsqueeze(0) <= q_pos
+            mask = torch.arange(p.ctx_len).unsqueeze(0) <= q_pos
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
         out[p.start: p.end] = o.squeeze(0).transpose(0, 1)
@@ -107,9 +115,9 @@ def paged_attention(
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool):
-    qd = q.unsqueeze(2)  # [B, H, 1, D]
-    kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-    vd = v_cache[meta.decode_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=scale,
-                                       enable_gqa=gqa)
+    batch = q.shape[0]
+    kd = _gather(k_cache, meta.decode_blocks, batch)
+    vd = _gather(v_cache, meta.decode_blocks, batch)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask,
+                                       scale=scale, enable_gqa=gqa)
     return o.squeeze(2)

@@ -21,12 +21,11 @@ class ModelRunner:
         info = config.model_info()
         self.block_size = config.block_size
         self.num_blocks = config.kv_blocks()
-        slots = self.num_blocks * self.block_size
         dtype = DTYPES[config.dtype]
-        # One (K, V) pair per layer, indexed by slot = block * block_size + offset.
+        shape = (self.num_blocks, self.block_size, info.num_kv_heads, info.head_dim)
+        # One (K, V) pair per layer; a slot is block * block_size + offset.
         self.kv_caches = [
-            (torch.zeros(slots, info.num_kv_heads, info.head_dim, dtype=dtype),
-             torch.zeros(slots, info.num_kv_heads, info.head_dim, dtype=dtype))
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(info.num_layers)
         ]
         self.sampler = Sampler(config.seed)
@@ -45,6 +44,8 @@ class ModelRunner:
         row = 0
         for seq in plan.seqs:
             tokens = unpack_ids(seq.token_ids)
+            if not len(tokens):  # overlap placeholder: our own last sample
+                tokens = np.array([self.states[seq.request_id].output_ids[-1]], dtype=np.int32)
             n = len(tokens)
             ids.append(tokens)
             positions.append(np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int64))

@@ -60,9 +60,12 @@ def test_signal_to_the_parent_leaves_no_orphans(tiny_model_dir, tmp_path, sig):
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
                             cwd=Path(__file__).parents[2])
-    root, *pids = proc.stdout.readline().split()
-    proc.send_signal(sig)
-    proc.wait(timeout=10)
+    try:
+        root, *pids = proc.stdout.readline().split()
+        proc.send_signal(sig)
+        proc.wait(timeout=10)
+    finally:
+        proc.kill()
     assert wait_gone([int(p) for p in pids], 5.0) == []
     deadline = time.monotonic() + 5
     while Path(root).exists() and time.monotonic() < deadline:

@@ -132,3 +132,30 @@ def test_new_requests_are_sent_to_workers_once():
     step2, _ = run_step(s)
     assert [r.request_id for r in step1.plan.new_requests] == ["a"]
     assert step2.plan.new_requests == []
+
+
+def test_overlap_placeholder_then_results_in_order():
+    s = make()
+    add(s, "a", 3, max_tokens=3, ignore_eos=True)
+    step1 = s.schedule()  # prefill, samples token 1
+    step2 = s.schedule()  # planned before step1's result: decode on the placeholder
+    [(_, seq2)] = step2.scheduled
+    assert seq2.token_ids == b"" and seq2.start_pos == 3 and seq2.sample
+    s.update(step1, StepResult(step1.plan.step_id, pack_ids([11])))
+    step3 = s.schedule()  # token 2 still in flight, token 3 would be the last: plan it
+    s.update(step2, StepResult(step2.plan.step_id, pack_ids([12])))
+    deltas = s.update(step3, StepResult(step3.plan.step_id, pack_ids([13])))
+    assert s.requests == {} and deltas[0].finish_reason == FinishReason.LENGTH
+    assert s.schedule() is None  # max_tokens reached: nothing planned past it
+    assert s.allocator.num_free == 64
+
+
+def test_overlap_drops_the_token_after_eos():
+    s = make()
+    add(s, "a", 3, max_tokens=10)
+    step1 = s.schedule()
+    step2 = s.schedule()
+    d1 = s.update(step1, StepResult(step1.plan.step_id, pack_ids([2])))  # EOS
+    assert d1[0].finish_reason == FinishReason.STOP
+    assert s.update(step2, StepResult(step2.plan.step_id, pack_ids([9]))) == []
+    assert s.allocator.num_free == 64

