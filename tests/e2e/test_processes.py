@@ -55,7 +55,8 @@ def test_signal_to_the_parent_leaves_no_orphans(tiny_model_dir, tmp_path, sig):
         import sys, time
         from engine import LLM
         llm = LLM({str(tiny_model_dir)!r}, num_kv_blocks=64)
-        print(llm.client.launcher.endpoints.root, *[p.pid for p in llm.client.launcher.procs.values()], flush=True)
+        launcher = llm.client.launcher
+        print(launcher.endpoints.root, *[p.pid for p in launcher.procs.values()], flush=True)
         time.sleep(60)
     """))
     proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True,
