@@ -17,6 +17,24 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
+FULL = "full"
+SLIDING = "sliding"
+
+
+def layer_kinds(cfg: dict) -> list[str]:
+    """Per-layer attention kind ("full" or "sliding") from an HF config.
+
+    `layer_types` (Qwen3, GPT-OSS, Gemma 3 style) wins; otherwise a `sliding_window` applies to
+    every layer (Mistral), unless `use_sliding_window` is false (Qwen2/Qwen3 defaults).
+    """
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return [SLIDING if "sliding" in t else FULL for t in cfg["layer_types"]]
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        return [SLIDING] * n
+    return [FULL] * n
+
+
 class ModelInfo(msgspec.Struct, frozen=True):
     """What the engine needs to know about a checkpoint without importing torch."""
 
@@ -27,6 +45,25 @@ class ModelInfo(msgspec.Struct, frozen=True):
     vocab_size: int
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
+    layer_kinds: tuple[str, ...] = ()
+    sliding_window: int | None = None
+
+    def kv_groups(self) -> list[str]:
+        """KV cache groups in a fixed order: full layers first, then sliding layers.
+
+        Each group has its own block pool and its own block table per request: sliding layers
+        only keep the blocks inside their window.
+        """
+        kinds = self.layer_kinds or (FULL,) * self.num_layers
+        return [k for k in (FULL, SLIDING) if k in kinds]
+
+    def layer_group(self, layer: int) -> int:
+        kinds = self.layer_kinds or (FULL,) * self.num_layers
+        return self.kv_groups().index(kinds[layer])
+
+    def layers_in_group(self, group: int) -> int:
+        kinds = self.layer_kinds or (FULL,) * self.num_layers
+        return sum(1 for k in kinds if k == self.kv_groups()[group])
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelInfo:
@@ -39,6 +76,7 @@ class ModelInfo(msgspec.Struct, frozen=True):
         if gen_path.exists():
             eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        kinds = tuple(layer_kinds(cfg))
         return cls(
             architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
             num_layers=cfg["num_hidden_layers"],
@@ -47,6 +85,8 @@ class ModelInfo(msgspec.Struct, frozen=True):
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             eos_token_ids=eos_ids,
+            layer_kinds=kinds,
+            sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
         )
 
 
@@ -64,6 +104,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefill_chunk_size: int = 512
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    enable_prefix_caching: bool = True
+    # After a prefix hit, sliding-window layers rebuild their window by replaying tokens:
+    # "window" replays W tokens (bounded, approximate beyond the first sliding layer);
+    # "exact" replays sliding_layers * W tokens (identical to a cold run).
+    swa_replay: str = "window"
     # Plan step N+1 while the workers compute step N (see engine/scheduler_process.py).
     overlap_scheduling: bool = True
     seed: int = 0
@@ -87,6 +132,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def context_len(self) -> int:
         info = self.model_info()
         return min(self.max_model_len or info.max_position_embeddings, info.max_position_embeddings)
+
+    def swa_replay_tokens(self) -> int | None:
+        info = self.model_info()
+        if info.sliding_window is None:
+            return None
+        if self.swa_replay == "exact":
+            return info.layers_in_group(info.kv_groups().index(SLIDING)) * info.sliding_window
+        if self.swa_replay != "window":
+            raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
+        return info.sliding_window
 
     def kv_bytes_per_block(self) -> int:
         info = self.model_info()

@@ -116,7 +116,12 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     num_running: int = 0
     num_waiting: int = 0
     kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
+    kv_blocks_free: int = 0  # free or reclaimable (cached blocks no request uses)
+    kv_blocks_cached: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
+    replayed_tokens: int = 0  # tokens recomputed to rebuild sliding windows after hits
     num_preemptions: int = 0
     num_steps: int = 0
     prompt_tokens_total: int = 0
@@ -181,8 +186,15 @@ class ScheduledSeq(msgspec.Struct, **_STRUCT):
     request_id: str
     token_ids: bytes
     start_pos: int
-    block_table: bytes
+    # One block table per KV group (ModelInfo.kv_groups order); -1 marks a block freed
+    # because it fell out of a sliding window.
+    block_tables: list[bytes]
     sample: bool
+    # Full-attention layers already hold K/V below this position (a prefix-cache hit being
+    # replayed for sliding layers): they must not write there, only attend.
+    full_kv_from: int = 0
+    # Sliding layers hold no K/V below this position (replay start): keys there are masked.
+    window_from: int = 0
 
 
 class StepPlan(msgspec.Struct, tag=True, **_STRUCT):

@@ -17,21 +17,24 @@ class Status(enum.Enum):
 
 class Request:
     __slots__ = (
-        "request_id", "prompt_ids", "output_ids", "params", "num_computed", "blocks",
+        "request_id", "prompt_ids", "output_ids", "params", "num_computed", "tables",
         "status", "finish_reason", "arrival", "num_cached", "max_len", "sent_to_workers",
-        "num_pending",
+        "num_pending", "cache_node", "window_from", "full_kv_from",
     )
 
     def __init__(
         self, request_id: str, prompt_ids: np.ndarray, params: SamplingParams, arrival: int,
-        max_len: int,
+        max_len: int, num_groups: int = 1,
     ) -> None:
         self.request_id = request_id
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
         self.params = params
         self.num_computed = 0  # tokens whose KV is in the cache
-        self.blocks: list[int] = []
+        self.tables: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
+        self.cache_node = None  # pinned prefix-cache path (engine.radix_cache.RadixNode)
+        self.window_from = 0  # sliding-layer keys below this were never computed (replay)
+        self.full_kv_from = 0  # full layers already hold K/V below this (prefix hit)
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival = arrival

@@ -9,7 +9,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.block_allocator import BlockAllocator
+from engine.config import FULL
+from engine.kv_manager import KVManager
 from engine.protocol import (
     FinishReason,
     NewRequestInfo,
@@ -34,6 +35,10 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512
     context_len: int = 4096
     eos_token_ids: tuple[int, ...] = ()
+    kv_groups: tuple[str, ...] = (FULL,)
+    sliding_window: int | None = None
+    prefix_caching: bool = True
+    swa_replay_tokens: int | None = None  # None: the window W
 
 
 @dataclass
@@ -45,7 +50,9 @@ class ScheduledStep:
 class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
-        self.allocator = BlockAllocator(config.num_blocks, config.block_size)
+        self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
+                            config.sliding_window, config.prefix_caching,
+                            config.swa_replay_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -57,6 +64,7 @@ class Scheduler:
         self.generation_tokens_total = 0
         # No request may outgrow the context or the whole KV cache.
         self.max_len = min(config.context_len, config.num_blocks * config.block_size)
+        self.allocator = self.kv.allocators[0]  # the full group's pool (tests, stats)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -71,7 +79,8 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens but at most {self.max_len - 1} fit "
                 "(context length and KV cache size)",
             )
-        req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len)
+        req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
+                      len(self.config.kv_groups))
         self._arrivals += 1
         self.requests[req.request_id] = req
         self.waiting.append(req)
@@ -94,8 +103,9 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        self.allocator.free(req.blocks)
-        req.blocks = []
+        if reason != FinishReason.ABORT:
+            self.kv.cache_request(req)
+        self.kv.release(req)
         del self.requests[req.request_id]
         if req.sent_to_workers:
             self._finished_for_workers.append(req.request_id)
@@ -108,8 +118,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         """Free a running request's KV and queue it first; it will be recomputed."""
         self.running.remove(req)
-        self.allocator.free(req.blocks)
-        req.blocks = []
+        self.kv.release(req)
         req.num_computed = 0
         req.status = Status.WAITING
         self.waiting.appendleft(req)
@@ -118,8 +127,6 @@ class Scheduler:
     def _chunk(self, req: Request, budget: int) -> int:
         return min(req.total_tokens - req.num_computed, self.config.prefill_chunk_size, budget)
 
-    def _blocks_needed(self, req: Request, n: int) -> int:
-        return self.allocator.blocks_for(req.num_computed + n) - len(req.blocks)
 
     def schedule(self) -> ScheduledStep | None:
         budget = self.config.max_num_batched_tokens
@@ -133,12 +140,13 @@ class Scheduler:
                 i += 1  # its in-flight token is its last: nothing more to compute
                 continue
             n = self._chunk(req, budget)
-            need = self._blocks_needed(req, n)
-            while need > self.allocator.num_free and req.status == Status.RUNNING:
+            self.kv.drop_outside_window(req, req.num_computed)
+            need = self.kv.needs(req, req.num_computed + n)
+            while not self.kv.can_allocate(need) and req.status == Status.RUNNING:
                 self._preempt(self.running[-1])  # the newest goes first
             if req.status != Status.RUNNING:
                 break
-            req.blocks += self.allocator.allocate(need)
+            self.kv.allocate(req, need)
             chosen.append((req, n))
             budget -= n
             i += 1
@@ -150,13 +158,15 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token in flight: recompute once it is known
+            self.kv.match_prefix(req)
             n = self._chunk(req, budget)
-            need = self._blocks_needed(req, n)
-            if need > self.allocator.num_free:
+            need = self.kv.needs(req, req.num_computed + n)
+            if not self.kv.can_allocate(need):
+                self.kv.unmatch_prefix(req)  # keep nothing pinned while it waits
                 break
             self.waiting.popleft()
             req.status = Status.RUNNING
-            req.blocks += self.allocator.allocate(need)
+            self.kv.allocate(req, need)
             self.running.append(req)
             chosen.append((req, n))
             budget -= n
@@ -181,7 +191,9 @@ class Scheduler:
             else:
                 token_ids = req.tokens(start, start + n).tobytes()
             sample = start + n == req.total_tokens
-            seq = ScheduledSeq(req.request_id, token_ids, start, pack_ids(req.blocks), sample)
+            seq = ScheduledSeq(req.request_id, token_ids, start,
+                               [pack_ids(t) for t in req.tables], sample,
+                               req.full_kv_from, req.window_from)
             req.num_computed += n
             req.num_pending += sample
             if start < req.num_prompt:
@@ -221,8 +233,13 @@ class Scheduler:
         return SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting),
-            kv_blocks_total=self.allocator.num_blocks,
-            kv_blocks_free=self.allocator.num_free,
+            kv_blocks_total=self.kv.num_total(),
+            kv_blocks_free=self.kv.num_reusable(),
+            kv_blocks_cached=self.kv.cache.num_cached_blocks if self.kv.cache else 0,
+            prefix_cache_queries=self.kv.cache.queries_tokens if self.kv.cache else 0,
+            prefix_cache_hits=self.kv.cache.hits_tokens if self.kv.cache else 0,
+            prefix_cache_evictions=self.kv.cache.evictions if self.kv.cache else 0,
+            replayed_tokens=self.kv.replayed_tokens,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
             prompt_tokens_total=self.prompt_tokens_total,

@@ -34,6 +34,10 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         prefill_chunk_size=cfg.prefill_chunk_size,
         context_len=cfg.context_len(),
         eos_token_ids=info.eos_token_ids,
+        kv_groups=tuple(info.kv_groups()),
+        sliding_window=info.sliding_window,
+        prefix_caching=cfg.enable_prefix_caching,
+        swa_replay_tokens=cfg.swa_replay_tokens(),
     ))
 
 

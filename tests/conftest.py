@@ -46,6 +46,9 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
     if arch == "llama":
         cfg = transformers.LlamaConfig(**base)
         cls = transformers.LlamaForCausalLM
+    elif arch == "mistral":
+        cfg = transformers.MistralConfig(**base)
+        cls = transformers.MistralForCausalLM
     elif arch == "qwen3":
         base.setdefault("head_dim", 16)
         cfg = transformers.Qwen3Config(**base)

@@ -5,6 +5,8 @@ new K/V at `slot_mapping` (slot = block * block_size + offset), then attends:
 - all decode rows (one query each) in one batched SDPA call over their block-gathered contexts
   (gathering whole blocks with one index_select is ~1.5x cheaper than gathering slots);
 - each prefill chunk in its own SDPA call (causal within the chunk, full over earlier tokens).
+Sliding-window layers see keys in (q - W, q] and gather only the blocks that window touches;
+their block tables hold -1 where a block fell out of the window and was freed.
 """
 
 from __future__ import annotations
@@ -17,57 +19,87 @@ import torch.nn.functional as F
 
 
 @dataclass
+class SeqSlice:
+    """One request's part of a step, for one KV group."""
+
+    table: np.ndarray  # block ids (-1: freed, outside a sliding window)
+    start: int  # position of the first token computed in this step
+    num_tokens: int
+    write_from: int = 0  # positions below this already have their K/V in the cache
+    key_from: int = 0  # keys below this were never computed (sliding replay): masked
+
+
+@dataclass
 class PrefillSeq:
     start: int  # first row of this chunk in the flattened batch
     end: int
-    blocks: torch.Tensor  # [num_blocks] the request's block table (covers the context)
+    blocks: torch.Tensor  # the blocks its keys live in, from `first_key` on
+    first_key: int  # position of the first gathered key (block aligned)
     ctx_len: int
     start_pos: int  # position of the chunk's first token
+    fresh: bool  # the chunk is the whole context: attend to this step's K/V directly
+    key_from: int = 0
 
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] cache slot of every token in the batch
+    write_rows: torch.Tensor | None  # rows whose K/V are written (None: all)
+    slot_mapping: torch.Tensor  # cache slot of every written row
     decode_rows: torch.Tensor | None  # [B] rows of single-token (decode) queries
     decode_blocks: torch.Tensor | None  # [B * MB] padded block tables, flattened
     decode_mask: torch.Tensor | None  # [B, 1, 1, MB * block_size] True where a key is visible
     prefills: list[PrefillSeq]
+    window: int | None
 
     @classmethod
-    def build(
-        cls, seqs: list[tuple[np.ndarray, int, int]], block_size: int
-    ) -> AttentionMetadata:
-        """seqs: (block_table, start_pos, num_tokens) in batch order."""
-        slot_parts, prefills, dec_rows, dec_tables, dec_lens = [], [], [], [], []
+    def build(cls, seqs: list[SeqSlice], block_size: int, window: int | None = None
+              ) -> AttentionMetadata:
+        slot_parts, write_rows, prefills = [], [], []
+        dec_rows, dec_tables, dec_first, dec_pos, dec_from = [], [], [], [], []
+        all_written = True
         row = 0
-        for table, start, n in seqs:
-            pos = np.arange(start, start + n, dtype=np.int64)
-            slot_parts.append(table[pos // block_size].astype(np.int64) * block_size
+        for s in seqs:
+            first_write = max(s.start, s.write_from)
+            pos = np.arange(first_write, s.start + s.num_tokens, dtype=np.int64)
+            slot_parts.append(s.table[pos // block_size].astype(np.int64) * block_size
                               + pos % block_size)
-            used = table[: -(-(start + n) // block_size)]
-            if n == 1:
+            write_rows.append(np.arange(row + first_write - s.start, row + s.num_tokens))
+            all_written &= first_write == s.start
+            end = s.start + s.num_tokens
+            first_key = s.key_from if window is None else max(s.key_from, s.start - window + 1)
+            first_block = max(0, first_key) // block_size
+            used = np.maximum(s.table[first_block: -(-end // block_size)], 0).astype(np.int64)
+            if s.num_tokens == 1:
                 dec_rows.append(row)
                 dec_tables.append(used)
-                dec_lens.append(start + 1)
+                dec_first.append(first_block * block_size)
+                dec_pos.append(s.start)
+                dec_from.append(s.key_from)
             else:
-                prefills.append(PrefillSeq(row, row + n, torch.from_numpy(used.astype(np.int64)),
-                                           start + n, start))
-            row += n
-        slot_mapping = torch.from_numpy(np.concatenate(slot_parts))
-        if not dec_rows:
-            return cls(slot_mapping, None, None, None, prefills)
-        width = max(len(t) for t in dec_tables)
-        padded = np.zeros((len(dec_tables), width), dtype=np.int64)
-        for i, t in enumerate(dec_tables):
-            padded[i, : len(t)] = t
-        mask = np.arange(width * block_size)[None, :] < np.asarray(dec_lens)[:, None]
-        return cls(
-            slot_mapping,
-            torch.tensor(dec_rows, dtype=torch.int64),
-            torch.from_numpy(padded.reshape(-1)),
-            torch.from_numpy(mask)[:, None, None, :],
-            prefills,
+                fresh = s.start == 0 and (window is None or s.num_tokens <= window)
+                prefills.append(PrefillSeq(row, row + s.num_tokens, torch.from_numpy(used),
+                                           first_block * block_size, end, s.start, fresh,
+                                           s.key_from))
+            row += s.num_tokens
+        meta = cls(
+            None if all_written else torch.from_numpy(np.concatenate(write_rows)),
+            torch.from_numpy(np.concatenate(slot_parts)),
+            None, None, None, prefills, window,
         )
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = np.zeros((len(dec_tables), width), dtype=np.int64)
+            for i, t in enumerate(dec_tables):
+                padded[i, : len(t)] = t
+            key_pos = np.asarray(dec_first)[:, None] + np.arange(width * block_size)[None, :]
+            q_pos = np.asarray(dec_pos)[:, None]
+            mask = (key_pos <= q_pos) & (key_pos >= np.asarray(dec_from)[:, None])
+            if window is not None:
+                mask &= key_pos > q_pos - window
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64)
+            meta.decode_blocks = torch.from_numpy(padded.reshape(-1))
+            meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
+        return meta
 
 
 def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:
@@ -86,8 +118,9 @@ def paged_attention(
     scale: float,
 ) -> torch.Tensor:
     """q: [T, H, D]; k, v: [T, KVH, D] (this step's). Returns [T, H, D]."""
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, k)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, v)
+    kw, vw = (k, v) if meta.write_rows is None else (k[meta.write_rows], v[meta.write_rows])
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, kw)
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, vw)
     gqa = q.shape[1] != k.shape[1]
     if meta.decode_rows is not None and not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scale, gqa)
@@ -96,18 +129,20 @@ def paged_attention(
         out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, gqa)
     for p in meta.prefills:
         qs = q[p.start: p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if p.start_pos == 0:
-            # The whole context is this chunk: use it directly, plain causal mask.
+        if p.fresh:
             ks = k[p.start: p.end].transpose(0, 1).unsqueeze(0)
             vs = v[p.start: p.end].transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                enable_gqa=gqa)
         else:
-            ks = _gather(k_cache, p.blocks, 1)[:, :, : p.ctx_len]
-            vs = _gather(v_cache, p.blocks, 1)[:, :, : p.ctx_len]
-            n = p.end - p.start
-            q_pos = torch.arange(p.start_pos, p.start_pos + n).unsqueeze(1)
-            mask = torch.arange(p.ctx_len).unsqueeze(0) <= q_pos
+            ctx = p.ctx_len - p.first_key
+            ks = _gather(k_cache, p.blocks, 1)[:, :, :ctx]
+            vs = _gather(v_cache, p.blocks, 1)[:, :, :ctx]
+            q_pos = torch.arange(p.start_pos, p.ctx_len).unsqueeze(1)
+            key_pos = torch.arange(p.first_key, p.ctx_len).unsqueeze(0)
+            mask = (key_pos <= q_pos) & (key_pos >= p.key_from)
+            if meta.window is not None:
+                mask &= key_pos > q_pos - meta.window
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
                                                enable_gqa=gqa)
         out[p.start: p.end] = o.squeeze(0).transpose(0, 1)

@@ -7,9 +7,9 @@ import time
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
+from engine.config import SLIDING, EngineConfig
 from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
-from workers.attention import AttentionMetadata
+from workers.attention import AttentionMetadata, SeqSlice
 from workers.loader import DTYPES, load_model
 from workers.sampler import Sampler, SamplingState
 
@@ -19,6 +19,8 @@ class ModelRunner:
         self.config = config
         self.model = load_model(config.resolved_model_dir(), config.dtype)
         info = config.model_info()
+        self.groups = info.kv_groups()
+        self.windows = [info.sliding_window if g == SLIDING else None for g in self.groups]
         self.block_size = config.block_size
         self.num_blocks = config.kv_blocks()
         dtype = DTYPES[config.dtype]
@@ -40,7 +42,8 @@ class ModelRunner:
 
     def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int], list[SamplingState]]:
         """Hidden states of every token in the plan, plus the rows and states to sample."""
-        ids, positions, seqs, sample_rows, sample_states = [], [], [], [], []
+        ids, positions, sample_rows, sample_states = [], [], [], []
+        slices: list[list[SeqSlice]] = [[] for _ in self.groups]
         row = 0
         for seq in plan.seqs:
             tokens = unpack_ids(seq.token_ids)
@@ -49,15 +52,22 @@ class ModelRunner:
             n = len(tokens)
             ids.append(tokens)
             positions.append(np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int64))
-            seqs.append((unpack_ids(seq.block_table), seq.start_pos, n))
+            for g, (kind, table) in enumerate(zip(self.groups, seq.block_tables)):
+                sliding = kind == SLIDING
+                slices[g].append(SeqSlice(
+                    unpack_ids(table), seq.start_pos, n,
+                    write_from=0 if sliding else seq.full_kv_from,
+                    key_from=seq.window_from if sliding else 0,
+                ))
             row += n
             if seq.sample:
                 sample_rows.append(row - 1)
                 sample_states.append(self.states[seq.request_id])
         input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
         pos = torch.from_numpy(np.concatenate(positions))
-        meta = AttentionMetadata.build(seqs, self.block_size)
-        return self.model(input_ids, pos, self.kv_caches, meta), sample_rows, sample_states
+        metas = [AttentionMetadata.build(sl, self.block_size, w)
+                 for sl, w in zip(slices, self.windows)]
+        return self.model(input_ids, pos, self.kv_caches, metas), sample_rows, sample_states
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -28,7 +28,7 @@ def test_round_trip_through_tagged_unions():
     req = GenerateRequest("r1", SamplingParams(max_tokens=5, stop=["\n"], seed=3, logprobs=2),
                           messages=[ChatMessage("user", "hi")])
     assert msgspec.msgpack.Decoder(ClientToTokenizer).decode(enc.encode(req)) == req
-    plan = StepPlan(4, [ScheduledSeq("r1", pack_ids([1, 2]), 0, pack_ids([9]), True)],
+    plan = StepPlan(4, [ScheduledSeq("r1", pack_ids([1, 2]), 0, [pack_ids([9])], True)],
                     finished=["r0"])
     back = msgspec.msgpack.Decoder(SchedulerToWorker).decode(enc.encode(plan))
     assert back == plan and unpack_ids(back.seqs[0].token_ids).tolist() == [1, 2]

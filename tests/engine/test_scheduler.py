@@ -14,7 +14,8 @@ from engine.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, budget=32, chunk=16, max_seqs=8, ctx=1024, eos=(2,)):
-    return Scheduler(SchedulerConfig(num_blocks, block_size, max_seqs, budget, chunk, ctx, eos))
+    return Scheduler(SchedulerConfig(num_blocks, block_size, max_seqs, budget, chunk, ctx, eos,
+                                     prefix_caching=False))
 
 
 def add(s: Scheduler, rid: str, n: int, **params) -> None:

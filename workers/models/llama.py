@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import SLIDING, layer_kinds
 from workers.attention import AttentionMetadata, paged_attention
 from workers.layers.linear import Linear, MergedLinear
 from workers.layers.norm import RMSNorm
@@ -26,8 +27,9 @@ STACKED_PARAMS = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: dict, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: dict, rotary: RotaryEmbedding, group: int) -> None:
         super().__init__()
+        self.group = group  # which KV group's metadata (block tables, window) this layer uses
         hidden = cfg["hidden_size"]
         self.num_heads = cfg["num_attention_heads"]
         self.num_kv_heads = cfg.get("num_key_value_heads", self.num_heads)
@@ -45,7 +47,8 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self._split = (q, kv, kv)
 
-    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor], meta):
+    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor],
+                metas: list[AttentionMetadata]):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -54,7 +57,7 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv[0], kv[1], metas[self.group], self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -73,16 +76,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: dict, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: dict, rotary: RotaryEmbedding, group: int) -> None:
         super().__init__()
         eps = cfg["rms_norm_eps"]
         self.input_layernorm = RMSNorm(cfg["hidden_size"], eps)
-        self.self_attn = Attention(cfg, rotary)
+        self.self_attn = Attention(cfg, rotary, group)
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, kv, meta):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, meta)
+    def forward(self, x, positions, kv, metas):
+        x = x + self.self_attn(self.input_layernorm(x), positions, kv, metas)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -95,15 +98,17 @@ class LlamaModel(nn.Module):
                                  rope_parameters(cfg))
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["hidden_size"])
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(
-            cfg["num_hidden_layers"]))
+        kinds = layer_kinds(cfg)
+        groups = [k for k in ("full", SLIDING) if k in kinds]  # ModelInfo.kv_groups order
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, groups.index(kind))
+                                    for kind in kinds)
         self.norm = RMSNorm(cfg["hidden_size"], cfg["rms_norm_eps"])
         self.rotary = rotary
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata):
+    def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         x = self.embed_tokens(input_ids)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
+            x = layer(x, positions, kv, metas)
         return self.norm(x)
 
 
@@ -117,8 +122,9 @@ class LlamaForCausalLM(nn.Module):
         self.tie_word_embeddings = cfg.get("tie_word_embeddings", False)
         self.lm_head = Linear(cfg["hidden_size"], cfg["vocab_size"])
 
-    def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, meta)
+    def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]
+                ) -> torch.Tensor:
+        return self.model(input_ids, positions, kv_caches, metas)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

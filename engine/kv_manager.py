@@ -1,0 +1,143 @@
+"""KV blocks of every request, per KV group, with the prefix cache on the full-attention group.
+
+Groups (ModelInfo.kv_groups): full-attention layers keep every block of a request; sliding-window
+layers keep only the blocks their window can still see, so their memory per request is bounded
+by the window W, not by the sequence length. Each group has its own allocator and a request has
+one block table per group (a freed sliding block leaves -1 in its table).
+
+Prefix cache (radix tree over the full group): a hit at H reuses blocks [0, H) of the full
+layers. Sliding layers have no cached KV, so the hit replays tokens [R, H), R = H - W rounded
+down to a block, through the model (full layers attend but do not write there) to rebuild the
+window: a hit costs at most W + block_size - 1 tokens of prefill, whatever H is. The numerical
+contract is in the README ("Prefix caching and sliding windows").
+"""
+
+from __future__ import annotations
+
+from engine.block_allocator import BlockAllocator
+from engine.config import FULL, SLIDING
+from engine.radix_cache import RadixCache
+from engine.request import Request
+
+
+class KVManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, groups: list[str], window: int | None,
+        prefix_caching: bool = True, replay_tokens: int | None = None,
+    ) -> None:
+        self.block_size = block_size
+        # Tokens a hit recomputes for sliding layers: W (bounded, approximate) by default;
+        # sliding_layers * W makes the rebuilt windows exact (see README).
+        self.replay_tokens = replay_tokens if replay_tokens is not None else (window or 0)
+        self.groups = groups
+        self.window = window
+        self.allocators = [BlockAllocator(num_blocks, block_size) for _ in groups]
+        self.full = groups.index(FULL) if FULL in groups else None
+        self.sliding = groups.index(SLIDING) if SLIDING in groups else None
+        # Without full-attention layers nothing exact can be reused: no prefix cache.
+        self.cache = (RadixCache(self.allocators[self.full], block_size)
+                      if prefix_caching and self.full is not None else None)
+        self.replayed_tokens = 0
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocators[0].num_blocks
+
+    def num_free(self) -> int:
+        """Free blocks over all groups (evictable cached blocks not counted)."""
+        return sum(a.num_free for a in self.allocators)
+
+    def num_reusable(self) -> int:
+        """Free blocks plus cached blocks no request uses (evicted on demand)."""
+        return self.num_free() + (self.cache.evictable_blocks() if self.cache else 0)
+
+    def num_total(self) -> int:
+        return sum(a.num_blocks for a in self.allocators)
+
+    def _available(self, g: int) -> int:
+        free = self.allocators[g].num_free
+        if g == self.full and self.cache is not None and free < self.num_blocks:
+            free += self.cache.evictable_blocks()
+        return free
+
+    def needs(self, req: Request, upto: int) -> list[int]:
+        """New blocks per group for the request to hold `upto` tokens."""
+        n = -(-upto // self.block_size)
+        return [max(0, n - len(t)) for t in req.tables]
+
+    def can_allocate(self, needs: list[int]) -> bool:
+        return all(n <= self.allocators[g].num_free or n <= self._available(g)
+                   for g, n in enumerate(needs) if n)
+
+    def allocate(self, req: Request, needs: list[int]) -> None:
+        for g, n in enumerate(needs):
+            if not n:
+                continue
+            short = n - self.allocators[g].num_free
+            if short > 0 and g == self.full and self.cache is not None:
+                self.cache.evict(short)
+            req.tables[g] += self.allocators[g].allocate(n)
+
+    def drop_outside_window(self, req: Request, next_pos: int) -> None:
+        """Free sliding blocks that no query at next_pos or later can see (keys > q - W)."""
+        if self.sliding is None or self.window is None:
+            return
+        table = req.tables[self.sliding]
+        # Block j is invisible once its last key (j+1)*bs - 1 <= next_pos - W.
+        last_dead = (next_pos - self.window + 1) // self.block_size
+        for j in range(min(last_dead, len(table))):
+            if table[j] >= 0:
+                self.allocators[self.sliding].free([table[j]])
+                table[j] = -1
+
+    def release(self, req: Request) -> None:
+        """Free the request's blocks (cached ones stay in the tree) and unpin its prefix."""
+        for g, table in enumerate(req.tables):
+            self.allocators[g].free([b for b in table if b >= 0])
+        req.tables = [[] for _ in self.groups]
+        if req.cache_node is not None and self.cache is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = None
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def match_prefix(self, req: Request) -> None:
+        """On admission: reuse the longest cached prefix and set where computing starts."""
+        req.num_cached = req.full_kv_from = req.window_from = 0
+        if self.cache is None or req.num_computed:
+            return
+        # At least one token is computed: its logits give the next token.
+        match = self.cache.match(req.tokens(0, req.num_tokens), max_tokens=req.num_tokens - 1)
+        self.cache.lock(match)
+        req.cache_node = match.node
+        hit = match.num_tokens
+        req.num_cached = hit
+        req.tables[self.full] = list(match.blocks)
+        start = hit
+        if self.sliding is not None and hit:
+            # SWA bounded replay: recompute [R, H) so sliding layers have their window.
+            replay_from = max(0, hit - self.replay_tokens) // self.block_size * self.block_size
+            req.tables[self.sliding] = [-1] * (replay_from // self.block_size)
+            req.window_from = replay_from
+            self.replayed_tokens += hit - replay_from
+            start = replay_from
+        req.full_kv_from = hit
+        req.num_computed = start
+
+    def unmatch_prefix(self, req: Request) -> None:
+        """Undo match_prefix for a request that could not be admitted after all."""
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.hits_tokens -= req.num_cached  # it will be looked up again
+            self.cache.queries_tokens -= req.num_tokens
+            self.replayed_tokens -= req.full_kv_from - req.num_computed
+        self.release(req)
+        req.num_computed = req.num_cached = req.full_kv_from = req.window_from = 0
+
+    def cache_request(self, req: Request) -> None:
+        """Offer the request's computed full blocks to the prefix cache."""
+        if self.cache is None or not req.tables[self.full]:
+            return
+        computed = min(req.num_computed, req.num_tokens)
+        self.cache.insert(req.tokens(0, computed), req.tables[self.full])

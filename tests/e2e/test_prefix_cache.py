@@ -1,0 +1,80 @@
+"""Prefix caching through the real processes, against cold runs of the same engine config.
+
+Contract (README, "Prefix caching and sliding windows"): full-attention models reuse cached KV
+exactly; hybrid sliding-window models replay W tokens by default (bounded, approximate) or
+sliding_layers * W tokens with swa_replay="exact" (identical to a cold run).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from tests.conftest import save_tiny_model
+
+GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
+W = 8
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(tmp_path_factory):
+    return save_tiny_model(
+        tmp_path_factory.mktemp("hybrid"), "qwen3", num_hidden_layers=4, sliding_window=W,
+        use_sliding_window=True,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                     "full_attention"])
+
+
+def prompts(shared: int, seed: int = 0) -> tuple[list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    prefix = rng.integers(3, 40000, shared).tolist()
+    return (prefix + rng.integers(3, 40000, 5).tolist(),
+            prefix + rng.integers(3, 40000, 7).tolist())
+
+
+def cold(model_dir, prompt, **kw):
+    with LLM(str(model_dir), num_kv_blocks=200, block_size=4, enable_prefix_caching=False,
+             **kw) as llm:
+        return llm.generate([prompt], GREEDY)[0]
+
+
+def test_prefix_hit_is_identical_to_a_cold_run(tiny_model_dir):
+    first, second = prompts(70)
+    with LLM(str(tiny_model_dir), num_kv_blocks=200, block_size=4) as llm:
+        a = llm.generate([first], GREEDY)[0]
+        b = llm.generate([second], GREEDY)[0]
+        again = llm.generate([first], GREEDY)[0]
+        stats = llm.stats()
+    assert a.cached_tokens == 0 and b.cached_tokens == 68 and again.cached_tokens == 72
+    assert stats.prefix_cache_hits == 68 + 72 and stats.kv_blocks_cached > 0
+    assert again.token_ids == a.token_ids
+    ref = cold(tiny_model_dir, second)
+    assert b.token_ids == ref.token_ids
+    assert max(abs(x.chosen.logprob - y.chosen.logprob)
+               for x, y in zip(b.logprobs, ref.logprobs)) < 1e-4
+
+
+def test_hybrid_hit_replays_at_most_the_window(hybrid_dir):
+    first, second = prompts(10 * W)  # a shared prefix of 10 W tokens
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4) as llm:
+        llm.generate([first], GREEDY)
+        before = llm.stats().replayed_tokens
+        out = llm.generate([second], GREEDY)[0]
+        replayed = llm.stats().replayed_tokens - before
+    assert out.cached_tokens == 10 * W
+    assert 0 < replayed <= -(-W // 4) * 4  # W rounded up to a block
+
+
+def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
+    first, second = prompts(10 * W, seed=1)
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_replay="exact") as llm:
+        llm.generate([first], GREEDY)
+        out = llm.generate([second], GREEDY)[0]
+        replayed = llm.stats().replayed_tokens
+    assert out.cached_tokens == 10 * W and replayed == 2 * W  # two sliding layers
+    ref = cold(hybrid_dir, second)
+    assert out.token_ids == ref.token_ids
+    assert max(abs(x.chosen.logprob - y.chosen.logprob)
+               for x, y in zip(out.logprobs, ref.logprobs)) < 1e-4
+
