@@ -105,6 +105,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
     enable_prefix_caching: bool = True
+    # Host-memory tier for blocks evicted from the prefix cache (0: off).
+    host_kv_cache_gb: float = 0.0
     # After a prefix hit, sliding-window layers rebuild their window by replaying tokens:
     # "window" replays W tokens (bounded, approximate beyond the first sliding layer);
     # "exact" replays sliding_layers * W tokens (identical to a cold run).
@@ -147,6 +149,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         info = self.model_info()
         per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim
         return per_token * self.block_size * _DTYPE_BYTES[self.dtype]
+
+    def host_kv_blocks(self) -> int:
+        """Host-tier blocks: they hold full-attention layers only."""
+        if self.host_kv_cache_gb <= 0:
+            return 0
+        info = self.model_info()
+        full_layers = info.layers_in_group(0) if info.kv_groups()[0] == FULL else 0
+        if not full_layers:
+            return 0
+        per_block = (2 * full_layers * info.num_kv_heads * info.head_dim * self.block_size
+                     * _DTYPE_BYTES[self.dtype])
+        return max(1, int(self.host_kv_cache_gb * (1 << 30)) // per_block)
 
     def kv_blocks(self) -> int:
         if self.num_kv_blocks is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from engine.block_allocator import BlockAllocator
 from engine.config import FULL, SLIDING
+from engine.host_cache import HostTier
 from engine.radix_cache import RadixCache
 from engine.request import Request
 
@@ -24,6 +25,7 @@ class KVManager:
     def __init__(
         self, num_blocks: int, block_size: int, groups: list[str], window: int | None,
         prefix_caching: bool = True, replay_tokens: int | None = None,
+        host_blocks: int = 0,
     ) -> None:
         self.block_size = block_size
         # Tokens a hit recomputes for sliding layers: W (bounded, approximate) by default;
@@ -38,6 +40,10 @@ class KVManager:
         self.cache = (RadixCache(self.allocators[self.full], block_size)
                       if prefix_caching and self.full is not None else None)
         self.replayed_tokens = 0
+        self.host = (HostTier(host_blocks, block_size)
+                     if host_blocks and self.cache is not None else None)
+        if self.host is not None:
+            self.cache.on_evict = self.host.store
 
     # ------------------------------------------------------------------ capacity
 
@@ -105,16 +111,19 @@ class KVManager:
 
     def match_prefix(self, req: Request) -> None:
         """On admission: reuse the longest cached prefix and set where computing starts."""
-        req.num_cached = req.full_kv_from = req.window_from = 0
+        req.num_cached = req.full_kv_from = req.window_from = req.num_replayed = 0
         if self.cache is None or req.num_computed:
             return
         # At least one token is computed: its logits give the next token.
-        match = self.cache.match(req.tokens(0, req.num_tokens), max_tokens=req.num_tokens - 1)
+        tokens = req.tokens(0, req.num_tokens)
+        match = self.cache.match(tokens, max_tokens=req.num_tokens - 1)
         self.cache.lock(match)
         req.cache_node = match.node
         hit = match.num_tokens
-        req.num_cached = hit
         req.tables[self.full] = list(match.blocks)
+        if self.host is not None:
+            hit += self._swap_in(req, tokens, hit)
+        req.num_cached = hit
         start = hit
         if self.sliding is not None and hit:
             # SWA bounded replay: recompute [R, H) so sliding layers have their window.
@@ -122,18 +131,44 @@ class KVManager:
             req.tables[self.sliding] = [-1] * (replay_from // self.block_size)
             req.window_from = replay_from
             self.replayed_tokens += hit - replay_from
+            req.num_replayed = hit - replay_from
             start = replay_from
         req.full_kv_from = hit
         req.num_computed = start
 
+    def _swap_in(self, req: Request, tokens, hit: int) -> int:
+        """Continue a radix hit from the host tier; returns the extra cached tokens."""
+        found = self.host.lookup(tokens, hit, req.num_tokens - 1)
+        allocator = self.allocators[self.full]
+        short = len(found) - allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        found = found[: allocator.num_free]
+        if not found:
+            return 0
+        device = allocator.allocate(len(found))
+        for h, d in zip(found, device):
+            self.host.plan_swap_in(h, d)
+        req.tables[self.full] += device
+        self.host.hit_tokens += len(found) * self.block_size
+        self.cache.hits_tokens += len(found) * self.block_size
+        return len(found) * self.block_size
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Host-tier copies (swap-out, swap-in) the next plan must carry."""
+        return self.host.take_copies() if self.host is not None else ([], [])
+
     def unmatch_prefix(self, req: Request) -> None:
         """Undo match_prefix for a request that could not be admitted after all."""
+        if self.host is not None and self.full is not None:
+            self.host.cancel_swap_in(req.tables[self.full])
         if self.cache is not None and req.cache_node is not None:
             self.cache.hits_tokens -= req.num_cached  # it will be looked up again
             self.cache.queries_tokens -= req.num_tokens
-            self.replayed_tokens -= req.full_kv_from - req.num_computed
+            self.replayed_tokens -= req.num_replayed
         self.release(req)
         req.num_computed = req.num_cached = req.full_kv_from = req.window_from = 0
+        req.num_replayed = 0
 
     def cache_request(self, req: Request) -> None:
         """Offer the request's computed full blocks to the prefix cache."""

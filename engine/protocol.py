@@ -108,6 +108,7 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     # Set only on the first output of a request: the prompt as the model saw it.
     prompt_text: str | None = None
     error: str | None = None
+    replayed_tokens: int = 0
 
 
 class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
@@ -122,6 +123,9 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     prefix_cache_hits: int = 0  # of which found
     prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
     replayed_tokens: int = 0  # tokens recomputed to rebuild sliding windows after hits
+    host_blocks_used: int = 0
+    host_blocks_out: int = 0  # blocks copied to the host tier (evictions kept)
+    host_blocks_in: int = 0  # blocks copied back on a hit
     num_preemptions: int = 0
     num_steps: int = 0
     prompt_tokens_total: int = 0
@@ -158,6 +162,7 @@ class TokenDelta(msgspec.Struct, **_STRUCT):
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    num_replayed_tokens: int = 0  # recomputed to rebuild sliding windows after a prefix hit
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_STRUCT):
@@ -203,6 +208,10 @@ class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
     new_requests: list[NewRequestInfo] = []
     # Requests the workers may forget (finished, aborted): their sampling state is dropped.
     finished: list[str] = []
+    # Host-tier copies of full-attention blocks, run before the forward in this order:
+    # int32 pairs (device block, host block), then (host block, device block).
+    swap_out: bytes = b""
+    swap_in: bytes = b""
 
 
 class Shutdown(msgspec.Struct, tag=True, **_STRUCT):

@@ -19,7 +19,7 @@ class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "params", "num_computed", "tables",
         "status", "finish_reason", "arrival", "num_cached", "max_len", "sent_to_workers",
-        "num_pending", "cache_node", "window_from", "full_kv_from",
+        "num_pending", "cache_node", "window_from", "full_kv_from", "num_replayed",
     )
 
     def __init__(
@@ -35,6 +35,7 @@ class Request:
         self.cache_node = None  # pinned prefix-cache path (engine.radix_cache.RadixNode)
         self.window_from = 0  # sliding-layer keys below this were never computed (replay)
         self.full_kv_from = 0  # full layers already hold K/V below this (prefix hit)
+        self.num_replayed = 0  # tokens recomputed for sliding windows after the last hit
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival = arrival

@@ -39,6 +39,7 @@ class SchedulerConfig:
     sliding_window: int | None = None
     prefix_caching: bool = True
     swa_replay_tokens: int | None = None  # None: the window W
+    host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
 
 
 @dataclass
@@ -52,7 +53,7 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
                             config.sliding_window, config.prefix_caching,
-                            config.swa_replay_tokens)
+                            config.swa_replay_tokens, config.host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -200,6 +201,11 @@ class Scheduler:
                 self.prompt_tokens_total += min(n, req.num_prompt - start)
             step.plan.seqs.append(seq)
             step.scheduled.append((req, seq))
+        swap_out, swap_in = self.kv.take_copies()
+        if swap_out:
+            step.plan.swap_out = pack_ids(swap_out)
+        if swap_in:
+            step.plan.swap_in = pack_ids(swap_in)
         step.plan.finished = self._finished_for_workers
         self._finished_for_workers = []
         return step
@@ -224,6 +230,7 @@ class Scheduler:
             deltas.append(TokenDelta(
                 req.request_id, pack_ids([token]), [logprobs] if logprobs else [], reason,
                 req.num_prompt, req.num_cached,
+                num_replayed_tokens=req.num_replayed,
             ))
             if reason is not None:
                 self._finish(req, reason)
@@ -240,6 +247,9 @@ class Scheduler:
             prefix_cache_hits=self.kv.cache.hits_tokens if self.kv.cache else 0,
             prefix_cache_evictions=self.kv.cache.evictions if self.kv.cache else 0,
             replayed_tokens=self.kv.replayed_tokens,
+            host_blocks_used=self.kv.host.num_used if self.kv.host else 0,
+            host_blocks_out=self.kv.host.blocks_out if self.kv.host else 0,
+            host_blocks_in=self.kv.host.blocks_in if self.kv.host else 0,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
             prompt_tokens_total=self.prompt_tokens_total,

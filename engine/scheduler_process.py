@@ -38,6 +38,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         sliding_window=info.sliding_window,
         prefix_caching=cfg.enable_prefix_caching,
         swa_replay_tokens=cfg.swa_replay_tokens(),
+        host_blocks=cfg.host_kv_blocks(),
     ))
 
 

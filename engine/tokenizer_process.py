@@ -127,6 +127,7 @@ class TokenizerService:
             completion_tokens=n_before + len(ids),
             cached_tokens=delta.num_cached_tokens,
             error=delta.error,
+            replayed_tokens=delta.num_replayed_tokens,
         )
         if finish is not None:
             del self.live[delta.request_id]

@@ -25,6 +25,14 @@ _ENGINE_ARGS = [
     ("--tensor-parallel-size", int, "worker processes sharing the model"),
     ("--served-model-name", str, "model name in the API (default: the directory's name)"),
     ("--seed", int, "engine seed"),
+    ("--host-kv-cache-gb", float, "host-memory tier for evicted prefix-cache blocks (0: off)"),
+    ("--swa-replay", str, "sliding-window rebuild after a prefix hit: window (W tokens) or exact"),
+    ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
+]
+# On/off switches (--x / --no-x); unset keeps the default.
+_ENGINE_SWITCHES = [
+    ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),
+    ("--overlap-scheduling", "plan the next step while the workers compute (default on)"),
 ]
 
 
@@ -33,11 +41,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"HF model directory, or 'default' ({DEFAULT_MODEL_NAME})")
     for flag, kind, help_text in _ENGINE_ARGS:
         p.add_argument(flag, type=kind, default=None, help=help_text)
+    for flag, help_text in _ENGINE_SWITCHES:
+        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags the user set, as EngineConfig keyword arguments."""
-    names = (flag[2:].replace("-", "_") for flag, _, _ in _ENGINE_ARGS)
+    flags = [f for f, _, _ in _ENGINE_ARGS] + [f for f, _ in _ENGINE_SWITCHES]
+    names = (flag[2:].replace("-", "_") for flag in flags)
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 

@@ -88,6 +88,8 @@ class Generation:
         self.prompt_tokens[i] = out.prompt_tokens or self.prompt_tokens[i]
         self.completion_tokens[i] = max(self.completion_tokens[i], out.completion_tokens)
         self.cached_tokens[i] = max(self.cached_tokens[i], out.cached_tokens)
+        if out.finish_reason is not None and not out.error:
+            self.state.metrics.replayed.observe(out.replayed_tokens)
 
     def usage(self, choices_per_prompt: int) -> Usage:
         """OpenAI usage: each prompt counted once however many choices it has."""

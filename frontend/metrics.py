@@ -48,6 +48,11 @@ class EngineStatsCollector(Collector):
                 "KV cache blocks in use", s.kv_blocks_total - s.kv_blocks_free),
             "deepinfer_num_requests_running": ("requests being computed", s.num_running),
             "deepinfer_num_requests_waiting": ("requests waiting for a slot", s.num_waiting),
+            "deepinfer_kv_blocks_cached": ("blocks held by the prefix cache", s.kv_blocks_cached),
+            "deepinfer_prefix_cache_hit_rate": (
+                "prompt tokens found in the prefix cache / looked up",
+                s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
+            "deepinfer_host_kv_blocks_used": ("host-tier blocks in use", s.host_blocks_used),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)
@@ -56,11 +61,29 @@ class EngineStatsCollector(Collector):
         counters = {
             "deepinfer_num_preemptions": ("requests preempted", s.num_preemptions),
             "deepinfer_engine_steps": ("scheduler steps", s.num_steps),
+            "deepinfer_prefix_cache_queries_tokens": (
+                "prompt tokens looked up in the prefix cache", s.prefix_cache_queries),
+            "deepinfer_prefix_cache_hits_tokens": (
+                "prompt tokens served from the prefix cache", s.prefix_cache_hits),
+            "deepinfer_prefix_cache_evictions_blocks": (
+                "blocks evicted from the prefix cache", s.prefix_cache_evictions),
+            "deepinfer_swa_replayed_tokens": (
+                "tokens recomputed to rebuild sliding windows after prefix hits",
+                s.replayed_tokens),
+            "deepinfer_host_kv_blocks_out": ("blocks copied to the host tier", s.host_blocks_out),
+            "deepinfer_host_kv_blocks_in": ("blocks copied back from the host tier",
+                                            s.host_blocks_in),
         }
         for name, (doc, value) in counters.items():
             c = CounterMetricFamily(name, doc)
             c.add_metric([], float(value))
             yield c
+        # Where step time goes (engine overhead = everything but forward).
+        phases = CounterMetricFamily("deepinfer_step_phase_seconds",
+                                     "cumulative seconds per step phase", labels=["phase"])
+        for phase in ("schedule", "update", "wait", "forward", "sample", "detokenize"):
+            phases.add_metric([phase], float(getattr(s, f"{phase}_seconds")))
+        yield phases
 
 
 class Metrics:
@@ -82,6 +105,11 @@ class Metrics:
         self.ttft = Histogram(
             "deepinfer_time_to_first_token_seconds", "time to the first generated token",
             buckets=_LATENCY_BUCKETS, registry=r,
+        )
+        self.replayed = Histogram(
+            "deepinfer_swa_replayed_tokens_per_request",
+            "tokens a request recomputed to rebuild sliding windows after a prefix hit",
+            buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r,
         )
         self.e2e = Histogram(
             "deepinfer_e2e_request_latency_seconds", "request latency, arrival to last token",

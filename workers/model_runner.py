@@ -30,10 +30,33 @@ class ModelRunner:
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(info.num_layers)
         ]
+        # Host tier (prefix-cache blocks evicted from the device), full-attention layers only.
+        host_blocks = config.host_kv_blocks()
+        self.full_layers = [i for i in range(info.num_layers)
+                            if self.groups[info.layer_group(i)] != SLIDING]
+        host_shape = (host_blocks, self.block_size, info.num_kv_heads, info.head_dim)
+        self.host_caches = {
+            i: (torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype))
+            for i in (self.full_layers if host_blocks else [])
+        }
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
 
+    def _copy_blocks(self, plan: StepPlan) -> None:
+        """Host-tier copies, before the forward: swap-outs first, then swap-ins."""
+        if plan.swap_out:
+            pairs = torch.from_numpy(unpack_ids(plan.swap_out).astype(np.int64)).view(-1, 2)
+            for i in self.full_layers:
+                for dev, host in zip(self.kv_caches[i], self.host_caches[i]):
+                    host.index_copy_(0, pairs[:, 1], dev.index_select(0, pairs[:, 0]))
+        if plan.swap_in:
+            pairs = torch.from_numpy(unpack_ids(plan.swap_in).astype(np.int64)).view(-1, 2)
+            for i in self.full_layers:
+                for dev, host in zip(self.kv_caches[i], self.host_caches[i]):
+                    dev.index_copy_(0, pairs[:, 1], host.index_select(0, pairs[:, 0]))
+
     def _update_states(self, plan: StepPlan) -> None:
+        self._copy_blocks(plan)
         for rid in plan.finished:
             self.states.pop(rid, None)
         for new in plan.new_requests:

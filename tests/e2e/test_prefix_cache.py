@@ -78,3 +78,22 @@ def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
     assert max(abs(x.chosen.logprob - y.chosen.logprob)
                for x, y in zip(out.logprobs, ref.logprobs)) < 1e-4
 
+
+
+def test_host_tier_brings_evicted_blocks_back(tiny_model_dir):
+    rng = np.random.default_rng(5)
+    a, b, c = (rng.integers(3, 40000, 60).tolist() for _ in range(3))
+    # 24 device blocks of 4 tokens: each 60-token prompt evicts the previous one's blocks.
+    with LLM(str(tiny_model_dir), num_kv_blocks=24, block_size=4,
+             host_kv_cache_gb=0.0002) as llm:
+        first = llm.generate([a], GREEDY)[0]
+        llm.generate([b], GREEDY)
+        llm.generate([c], GREEDY)
+        evicted = llm.stats()
+        again = llm.generate([a], GREEDY)[0]
+        stats = llm.stats()
+    assert evicted.prefix_cache_evictions > 0 and evicted.host_blocks_out > 0
+    assert stats.host_blocks_in >= 10 and again.cached_tokens >= 40
+    assert again.token_ids == first.token_ids
+    assert max(abs(x.chosen.logprob - y.chosen.logprob)
+               for x, y in zip(again.logprobs, first.logprobs)) < 1e-4

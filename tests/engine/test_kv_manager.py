@@ -11,12 +11,12 @@ from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_i
 from engine.scheduler import Scheduler, SchedulerConfig
 
 
-def hybrid(num_blocks=64, budget=32, chunk=16, window=8, caching=True, max_seqs=8):
+def hybrid(num_blocks=64, budget=32, chunk=16, window=8, caching=True, max_seqs=8, host=0):
     return Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=4, max_num_seqs=max_seqs,
         max_num_batched_tokens=budget, prefill_chunk_size=chunk, context_len=4096,
         eos_token_ids=(2,), kv_groups=(FULL, SLIDING), sliding_window=window,
-        prefix_caching=caching))
+        prefix_caching=caching, host_blocks=host))
 
 
 def finish(s: Scheduler, step, token=7):
@@ -42,7 +42,7 @@ def test_sliding_blocks_stay_within_the_window():
 
 def test_no_block_leaks_after_thousands_of_random_requests_and_aborts():
     rng = random.Random(0)
-    s = hybrid(num_blocks=24, budget=24, chunk=8, max_seqs=6)
+    s = hybrid(num_blocks=24, budget=24, chunk=8, max_seqs=6, host=16)
     prefixes = [list(np.random.default_rng(i).integers(3, 500, 20)) for i in range(4)]
     in_flight = []
     live: list[str] = []
@@ -69,6 +69,7 @@ def test_no_block_leaks_after_thousands_of_random_requests_and_aborts():
         while in_flight:
             finish(s, in_flight.pop(0))
     assert s.num_preemptions > 0 and s.kv.cache.hits_tokens > 0
+    assert s.kv.host.blocks_out > 0 and s.kv.host.blocks_in > 0
     assert s.kv.num_reusable() == s.kv.num_total()
     s.kv.cache.evict(10**9)
     assert [a.num_free for a in s.kv.allocators] == [24, 24]

@@ -245,3 +245,15 @@ def test_metrics_counters(server):
     assert 'deepinfer_requests_total{endpoint="chat",status="400"}' in text
     assert "deepinfer_time_to_first_token_seconds_count" in text
     assert metric(server, "deepinfer_generation_tokens_total") > 0
+
+
+def test_repeated_chat_hits_the_prefix_cache(client, server):
+    messages = [{"role": "user", "content": "Tell me a long story about a cache. " * 6}]
+    kw = dict(model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body=NO_EOS)
+    first = client.chat.completions.create(**kw)
+    second = client.chat.completions.create(**kw)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    assert second.choices[0].message.content == first.choices[0].message.content
+    assert metric(server, "deepinfer_prefix_cache_hit_rate") > 0
+    assert metric(server, "deepinfer_kv_blocks_cached") > 0

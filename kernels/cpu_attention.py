@@ -1,0 +1,103 @@
+"""Decode attention straight over the paged KV cache on CPU: a native kernel and its reference.
+
+`paged_decode_attention` reads K/V where they sit in the cache (no gather, no mask): one task
+per (row, kv head), online softmax in float32. The C++ source (csrc/paged_attention.cpp) is built
+with torch's cpp_extension on first use and cached under the torch extensions dir.
+`available(*tensors)` says (never raising) whether it can be used; else use the reference.
+
+block_tables[b, i] is the cache block holding positions [i * block_size, (i + 1) * block_size)
+of row b; the row attends to positions [key_lo[b], key_hi[b]). Only the blocks of that range are
+read (others may be -1). A table that starts at position `first` works with key_lo - first and
+key_hi - first. Rows with key_lo >= key_hi get zeros.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import threading
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
+_FLAGS = ["-O3", "-march=native", "-fopenmp"]
+_lock = threading.Lock()
+_ext: ModuleType | None = None
+_error: str | None = None
+
+
+def _cpu_tag() -> str:
+    """-march=native binaries must not be shared between different CPUs (one cache dir)."""
+    flags = platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags += next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        pass
+    return hashlib.sha1(flags.encode()).hexdigest()[:8]
+
+
+def _load() -> ModuleType | None:
+    global _ext, _error
+    if _ext is not None or _error is not None:
+        return _ext
+    with _lock:
+        if _ext is None and _error is None:
+            try:
+                if shutil.which("ninja") is None:  # the pip wheel's binary, venv not activated
+                    import ninja
+
+                    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+                from torch.utils.cpp_extension import load
+
+                _ext = load(name=f"deepinfer_paged_attention_{_cpu_tag()}", sources=[str(_SRC)],
+                            extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+            except Exception as e:  # no compiler / ninja / headers: callers fall back
+                _error = f"{type(e).__name__}: {e}"
+    return _ext
+
+
+def build_error() -> str | None:
+    """Why the extension could not be built (None: built, or not tried yet)."""
+    return _error
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """True when the kernel is built (building it on first call) and takes these tensors."""
+    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return False
+    return _load() is not None
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, MB] int32/int64;
+    key_lo, key_hi [B] int32. Returns [B, H, D] float32. Call `available` first."""
+    ext = _load()
+    if ext is None:
+        raise RuntimeError(f"paged attention extension unavailable: {_error}")
+    return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, key_lo: torch.Tensor,
+                               key_hi: torch.Tensor, scale: float) -> torch.Tensor:
+    """Pure-torch reference: gather every table block, mask outside [key_lo, key_hi), softmax."""
+    batch, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    blocks = block_tables.long().clamp(min=0).reshape(-1)
+    k = k_cache[blocks].view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, KVH, L, D]
+    v = v_cache[blocks].view(batch, -1, kv_heads, dim).transpose(1, 2)
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    pos = torch.arange(k.shape[2])
+    visible = (pos >= key_lo.long()[:, None]) & (pos < key_hi.long()[:, None])  # [B, L]
+    scores = torch.einsum("bhd,bhld->bhl", q * scale, k)
+    scores = scores.masked_fill(~visible[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # empty rows -> zeros
+    return torch.einsum("bhl,bhld->bhd", probs, v)
