@@ -67,13 +67,14 @@ class SchedulerLoop:
                 payload = self.encode(step.plan)
                 for sock in self.to_workers:
                     sock.send(payload)
+            if in_flight is None and step is None and self.scheduler.has_work():
+                # Nothing fits and nothing runs: only a new message can change that.
+                self.pending.append(self.decode(self.inbound.recv()))
             if in_flight is not None:
                 self._finish_step(in_flight)
             if step is not None and not self.overlap:
                 self._finish_step(step)
                 step = None
-            if step is None and in_flight is None and self.scheduler.has_work():
-                self.pending.append(self.decode(self.inbound.recv()))  # nothing fits: wait
             in_flight = step
 
     def _drain(self, block: bool) -> list:

@@ -1,9 +1,10 @@
 """Decode attention straight over the paged KV cache on CPU: a native kernel and its reference.
 
-`paged_decode_attention` reads K/V where they sit in the cache (no gather, no mask): one task
-per (row, kv head), online softmax in float32. The C++ source (csrc/paged_attention.cpp) is built
-with torch's cpp_extension on first use and cached under the torch extensions dir.
-`available(*tensors)` says (never raising) whether it can be used; else use the reference.
+`paged_decode_attention` reads K/V where they sit in the cache (no gather, no mask): parallel
+over rows (or (row, kv head) when rows are few), online softmax in float32. The C++ source
+(csrc/paged_attention.cpp) is built by torch's cpp_extension on first use (~10 s) and cached
+under the torch extensions dir. `available(*tensors)` says, never raising, whether it can be used;
+callers fall back to the gather + SDPA path (or `paged_decode_attention_ref`) when it says no.
 
 block_tables[b, i] is the cache block holding positions [i * block_size, (i + 1) * block_size)
 of row b; the row attends to positions [key_lo[b], key_hi[b]). Only the blocks of that range are
@@ -18,21 +19,22 @@ import os
 import platform
 import shutil
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import torch
 
 _SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 _lock = threading.Lock()
-_ext: ModuleType | None = None
+_op: Callable[..., torch.Tensor] | None = None
 _error: str | None = None
 
 
-def _cpu_tag() -> str:
-    """-march=native binaries must not be shared between different CPUs (one cache dir)."""
-    flags = platform.machine()
+def _build_tag() -> str:
+    """Keys the cached build: -march=native code must not run on another CPU, nor an old build
+    against another torch."""
+    flags = f"{platform.machine()} {torch.__version__}"
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith("flags")), "")
@@ -41,12 +43,12 @@ def _cpu_tag() -> str:
     return hashlib.sha1(flags.encode()).hexdigest()[:8]
 
 
-def _load() -> ModuleType | None:
-    global _ext, _error
-    if _ext is not None or _error is not None:
-        return _ext
+def _load() -> Callable[..., torch.Tensor] | None:
+    global _op, _error
+    if _op is not None or _error is not None:
+        return _op
     with _lock:
-        if _ext is None and _error is None:
+        if _op is None and _error is None:
             try:
                 if shutil.which("ninja") is None:  # the pip wheel's binary, venv not activated
                     import ninja
@@ -54,11 +56,12 @@ def _load() -> ModuleType | None:
                     os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
                 from torch.utils.cpp_extension import load
 
-                _ext = load(name=f"deepinfer_paged_attention_{_cpu_tag()}", sources=[str(_SRC)],
-                            extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], verbose=False)
+                load(name=f"deepinfer_paged_attention_{_build_tag()}", sources=[str(_SRC)],
+                     extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
+                _op = torch.ops.deepinfer_cpu.paged_decode_attention
             except Exception as e:  # no compiler / ninja / headers: callers fall back
                 _error = f"{type(e).__name__}: {e}"
-    return _ext
+    return _op
 
 
 def build_error() -> str | None:
@@ -68,7 +71,10 @@ def build_error() -> str | None:
 
 def available(*tensors: torch.Tensor) -> bool:
     """True when the kernel is built (building it on first call) and takes these tensors."""
-    if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+    try:
+        if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+            return False
+    except AttributeError:  # not a tensor
         return False
     return _load() is not None
 
@@ -78,10 +84,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, MB] int32/int64;
     key_lo, key_hi [B] int32. Returns [B, H, D] float32. Call `available` first."""
-    ext = _load()
-    if ext is None:
+    op = _op if _op is not None else _load()
+    if op is None:
         raise RuntimeError(f"paged attention extension unavailable: {_error}")
-    return ext.paged_decode_attention(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
+    return op(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

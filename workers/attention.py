@@ -17,6 +17,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_attention
+
 
 @dataclass
 class SeqSlice:
@@ -50,6 +52,10 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, MB * block_size] True where a key is visible
     prefills: list[PrefillSeq]
     window: int | None
+    # The same visibility as [lo, hi) ranges relative to each row's first gathered key, for the
+    # native kernel that reads the cache in place.
+    decode_lo: torch.Tensor | None = None
+    decode_hi: torch.Tensor | None = None
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], block_size: int, window: int | None = None
@@ -93,9 +99,13 @@ class AttentionMetadata:
                 padded[i, : len(t)] = t
             key_pos = np.asarray(dec_first)[:, None] + np.arange(width * block_size)[None, :]
             q_pos = np.asarray(dec_pos)[:, None]
-            mask = (key_pos <= q_pos) & (key_pos >= np.asarray(dec_from)[:, None])
+            lo = np.maximum(np.asarray(dec_from)[:, None], 0)
             if window is not None:
-                mask &= key_pos > q_pos - window
+                lo = np.maximum(lo, q_pos - window + 1)
+            mask = (key_pos <= q_pos) & (key_pos >= lo)
+            first = np.asarray(dec_first)[:, None]
+            meta.decode_lo = torch.from_numpy((lo - first)[:, 0].astype(np.int32))
+            meta.decode_hi = torch.from_numpy((q_pos + 1 - first)[:, 0].astype(np.int32))
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64)
             meta.decode_blocks = torch.from_numpy(padded.reshape(-1))
             meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
@@ -151,6 +161,11 @@ def paged_attention(
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool):
     batch = q.shape[0]
+    if cpu_attention.available(q, k_cache):
+        # Native kernel: reads K/V in place, ~2.5x cheaper than gather + SDPA at batch 64.
+        return cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_blocks.view(batch, -1), meta.decode_lo,
+            meta.decode_hi, scale)
     kd = _gather(k_cache, meta.decode_blocks, batch)
     vd = _gather(v_cache, meta.decode_blocks, batch)
     o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask,

@@ -9,6 +9,7 @@ import torch
 
 from engine.config import SLIDING, EngineConfig
 from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
+from kernels import cpu_attention
 from workers.attention import AttentionMetadata, SeqSlice
 from workers.loader import DTYPES, load_model
 from workers.sampler import Sampler, SamplingState
@@ -40,6 +41,8 @@ class ModelRunner:
             for i in (self.full_layers if host_blocks else [])
         }
         self.sampler = Sampler(config.seed)
+        # Build (or load) the native decode-attention kernel now, not in the first step.
+        cpu_attention.available(self.kv_caches[0][0])
         self.states: dict[str, SamplingState] = {}
 
     def _copy_blocks(self, plan: StepPlan) -> None:

@@ -93,3 +93,13 @@ def test_worker_that_cannot_load_reports_why(tiny_model_dir, tmp_path):
         (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
     with pytest.raises(EngineStartupError, match="worker0.*safetensors"):
         LLM(str(broken), num_kv_blocks=8)
+
+
+def test_without_overlap_scheduling_results_are_the_same(tiny_model_dir):
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8], [100, 200, 300]]
+    with LLM(str(tiny_model_dir), num_kv_blocks=64, overlap_scheduling=False) as llm:
+        plain = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(str(tiny_model_dir), num_kv_blocks=64) as llm:
+        overlapped = [o.token_ids for o in llm.generate(prompts, params)]
+    assert plain == overlapped and all(len(t) == 12 for t in plain)

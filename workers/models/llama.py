@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self._split = (q, kv, kv)
 
-    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x, cos_sin, kv: tuple[torch.Tensor, torch.Tensor],
                 metas: list[AttentionMetadata]):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
@@ -56,7 +56,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(cos_sin, q, k)
         o = paged_attention(q, k, v, kv[0], kv[1], metas[self.group], self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -84,8 +84,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, kv, metas):
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv, metas)
+    def forward(self, x, cos_sin, kv, metas):
+        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, metas)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -107,8 +107,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         x = self.embed_tokens(input_ids)
+        cos_sin = self.rotary.lookup(positions, x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, metas)
+            x = layer(x, cos_sin, kv, metas)
         return self.norm(x)
 
 
