@@ -99,7 +99,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kv_blocks: int | None = None
     kv_cache_gb: float = 1.0
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 1024
+    # 256 keeps ITL p99 under 3x its median at 64 concurrent requests on 2 cores (BENCHMARKS.md).
+    max_num_batched_tokens: int = 256
     # Longest prefill chunk one request may take in a step (chunked prefill).
     prefill_chunk_size: int = 512
     max_model_len: int | None = None
