@@ -54,6 +54,7 @@ class SchedulerLoop:
         self.pending: list = []  # requests/aborts that arrived while we waited for a result
         self.results: dict[int, StepResult] = {}
         self.stats = self.scheduler.stats()
+        self._logged = (time.monotonic(), self.stats)
 
     def run(self) -> None:
         in_flight: ScheduledStep | None = None
@@ -112,6 +113,25 @@ class SchedulerLoop:
         s.forward_seconds += result.forward_ms / 1e3
         s.sample_seconds += result.sample_ms / 1e3
         self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
+        self._log_progress()
+
+    def _log_progress(self, every: float = 10.0) -> None:
+        """A line every `every` seconds of activity: throughput and where step time went."""
+        now, s = time.monotonic(), self.stats
+        then, old = self._logged
+        if now - then < every:
+            return
+        steps = max(1, s.num_steps - old.num_steps)
+        per_step = {name: (getattr(s, f"{name}_seconds") - getattr(old, f"{name}_seconds"))
+                    * 1e3 / steps for name in ("schedule", "update", "forward", "sample")}
+        log.info(
+            "%.1f gen tok/s, %.1f prompt tok/s | running %d waiting %d | KV free %d/%d | "
+            "per step ms: schedule %.2f update %.2f forward %.1f sample %.2f",
+            (s.generation_tokens_total - old.generation_tokens_total) / (now - then),
+            (s.prompt_tokens_total - old.prompt_tokens_total) / (now - then),
+            s.num_running, s.num_waiting, s.kv_blocks_free, s.kv_blocks_total,
+            per_step["schedule"], per_step["update"], per_step["forward"], per_step["sample"])
+        self._logged = (now, msgspec.structs.replace(s))
 
     def _await_result(self, step_id: int) -> StepResult:
         while step_id not in self.results:
