@@ -257,3 +257,14 @@ def test_repeated_chat_hits_the_prefix_cache(client, server):
     assert second.choices[0].message.content == first.choices[0].message.content
     assert metric(server, "deepinfer_prefix_cache_hit_rate") > 0
     assert metric(server, "deepinfer_kv_blocks_cached") > 0
+
+
+def test_second_chat_turn_reuses_the_first_turn(client):
+    turn1 = [{"role": "user", "content": "Describe a lighthouse keeper's day in detail. " * 4}]
+    kw = dict(model="tiny", max_tokens=8, temperature=0, extra_body=NO_EOS)
+    r1 = client.chat.completions.create(messages=turn1, **kw)
+    turn2 = turn1 + [{"role": "assistant", "content": r1.choices[0].message.content},
+                     {"role": "user", "content": "And at night?"}]
+    r2 = client.chat.completions.create(messages=turn2, **kw)
+    # The whole first prompt (whole blocks of it) comes from the cache.
+    assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens // 16 * 16
