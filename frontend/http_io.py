@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator, Awaitable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, TypeVar
 
+import msgspec
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from frontend.errors import APIError
+from frontend.errors import APIError, decode_error
 
 log = logging.getLogger("deepinfer.api")
 T = TypeVar("T")
@@ -37,6 +38,15 @@ async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> by
             raise too_big
         parts.append(chunk)
     return b"".join(parts)
+
+
+async def read_json(request: Request, decode: Callable[[bytes], T]) -> T:
+    """The body decoded into its typed request struct; a 400 naming the field otherwise."""
+    body = await read_body(request)
+    try:
+        return decode(body)
+    except msgspec.MsgspecError as exc:
+        raise decode_error(exc) from None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

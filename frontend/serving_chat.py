@@ -11,9 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.protocol import FinishReason, GenerateRequest
-from frontend.errors import APIError, decode_error
+from frontend.errors import APIError
 from frontend.generation import Generation, collect, engine_error, seeded
-from frontend.http_io import SSE_DONE, SSEResponse, read_body, run_until_disconnect, sse_event
+from frontend.http_io import SSE_DONE, SSEResponse, read_json, run_until_disconnect, sse_event
 from frontend.logprobs import chat_logprobs
 from frontend.openai_responses import (
     ChatChoice,
@@ -32,11 +32,7 @@ _encode = msgspec.json.Encoder().encode
 
 
 async def create_chat_completion(state: ServerState, request: Request) -> Response | SSEResponse:
-    body = await read_body(request)
-    try:
-        req = decode_chat(body)
-    except msgspec.MsgspecError as exc:
-        raise decode_error(exc) from None
+    req = await read_json(request, decode_chat)
     state.check_model(req.model)
     params = chat_params(req, state.context_len)
     messages = chat_messages(req.messages)

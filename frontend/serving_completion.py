@@ -11,9 +11,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine.protocol import FinishReason, GenerateRequest, SamplingParams, pack_ids
-from frontend.errors import APIError, decode_error
+from frontend.errors import APIError
 from frontend.generation import Generation, collect, engine_error, seeded
-from frontend.http_io import SSE_DONE, SSEResponse, read_body, run_until_disconnect, sse_event
+from frontend.http_io import SSE_DONE, SSEResponse, read_json, run_until_disconnect, sse_event
 from frontend.logprobs import completion_logprobs
 from frontend.openai_responses import Completion, CompletionChoice
 from frontend.openai_schema import CompletionRequest, decode_completion
@@ -40,11 +40,7 @@ def _engine_requests(
 
 
 async def create_completion(state: ServerState, request: Request) -> Response | SSEResponse:
-    body = await read_body(request)
-    try:
-        req = decode_completion(body)
-    except msgspec.MsgspecError as exc:
-        raise decode_error(exc) from None
+    req = await read_json(request, decode_completion)
     state.check_model(req.model)
     params = completion_params(req, state.context_len)
     prompts = completion_prompts(req)
