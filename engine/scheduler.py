@@ -241,7 +241,8 @@ class Scheduler:
             num_running=len(self.running),
             num_waiting=len(self.waiting),
             kv_blocks_total=self.kv.num_total(),
-            kv_blocks_free=self.kv.num_reusable(),
+            # Exact when idle (tests and dashboards wait for it), at most 0.25 s old otherwise.
+            kv_blocks_free=self.kv.num_reusable(max_age=0.25 if self.running else 0.0),
             kv_blocks_cached=self.kv.cache.num_cached_blocks if self.kv.cache else 0,
             prefix_cache_queries=self.kv.cache.queries_tokens if self.kv.cache else 0,
             prefix_cache_hits=self.kv.cache.hits_tokens if self.kv.cache else 0,
