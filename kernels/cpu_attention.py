@@ -14,69 +14,21 @@ key_hi - first. Rows with key_lo >= key_hi get zeros.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import threading
-from collections.abc import Callable
-from pathlib import Path
-
 import torch
 
-_SRC = Path(__file__).parent / "csrc" / "paged_attention.cpp"
-_FLAGS = ["-O3", "-march=native", "-fopenmp"]
-_lock = threading.Lock()
-_op: Callable[..., torch.Tensor] | None = None
-_error: str | None = None
+from kernels.native import NativeOp
 
-
-def _build_tag() -> str:
-    """Keys the cached build: -march=native code must not run on another CPU, nor an old build
-    against another torch."""
-    flags = f"{platform.machine()} {torch.__version__}"
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags += next((line for line in f if line.startswith("flags")), "")
-    except OSError:
-        pass
-    return hashlib.sha1(flags.encode()).hexdigest()[:8]
-
-
-def _load() -> Callable[..., torch.Tensor] | None:
-    global _op, _error
-    if _op is not None or _error is not None:
-        return _op
-    with _lock:
-        if _op is None and _error is None:
-            try:
-                if shutil.which("ninja") is None:  # the pip wheel's binary, venv not activated
-                    import ninja
-
-                    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-                from torch.utils.cpp_extension import load
-
-                load(name=f"deepinfer_paged_attention_{_build_tag()}", sources=[str(_SRC)],
-                     extra_cflags=_FLAGS, extra_ldflags=["-fopenmp"], is_python_module=False)
-                _op = torch.ops.deepinfer_cpu.paged_decode_attention
-            except Exception as e:  # no compiler / ninja / headers: callers fall back
-                _error = f"{type(e).__name__}: {e}"
-    return _op
+_OP = NativeOp("paged_attention", "paged_attention.cpp", "paged_decode_attention")
 
 
 def build_error() -> str | None:
     """Why the extension could not be built (None: built, or not tried yet)."""
-    return _error
+    return _OP.error
 
 
-def available(*tensors: torch.Tensor) -> bool:
+def available(*tensors: torch.Tensor | None) -> bool:
     """True when the kernel is built (building it on first call) and takes these tensors."""
-    try:
-        if not all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
-            return False
-    except AttributeError:  # not a tensor
-        return False
-    return _load() is not None
+    return _OP.available(*tensors)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -84,10 +36,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            scale: float) -> torch.Tensor:
     """q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, MB] int32/int64;
     key_lo, key_hi [B] int32. Returns [B, H, D] float32. Call `available` first."""
-    op = _op if _op is not None else _load()
-    if op is None:
-        raise RuntimeError(f"paged attention extension unavailable: {_error}")
-    return op(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
+    return _OP(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
 
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
