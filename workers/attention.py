@@ -49,13 +49,17 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # cache slot of every written row
     decode_rows: torch.Tensor | None  # [B] rows of single-token (decode) queries
     decode_blocks: torch.Tensor | None  # [B * MB] padded block tables, flattened
-    decode_mask: torch.Tensor | None  # [B, 1, 1, MB * block_size] True where a key is visible
     prefills: list[PrefillSeq]
     window: int | None
-    # The same visibility as [lo, hi) ranges relative to each row's first gathered key, for the
-    # native kernel that reads the cache in place.
+    # Visible keys of each decode row, [lo, hi) relative to its first gathered key.
     decode_lo: torch.Tensor | None = None
     decode_hi: torch.Tensor | None = None
+
+    def decode_mask(self, num_keys: int) -> torch.Tensor:
+        """[B, 1, 1, num_keys] True where a key is visible (the gather + SDPA fallback)."""
+        keys = torch.arange(num_keys)
+        mask = (keys >= self.decode_lo[:, None]) & (keys < self.decode_hi[:, None])
+        return mask[:, None, None, :]
 
     @classmethod
     def build(cls, seqs: list[SeqSlice], block_size: int, window: int | None = None
@@ -90,25 +94,22 @@ class AttentionMetadata:
         meta = cls(
             None if all_written else torch.from_numpy(np.concatenate(write_rows)),
             torch.from_numpy(np.concatenate(slot_parts)),
-            None, None, None, prefills, window,
+            None, None, prefills, window,
         )
         if dec_rows:
             width = max(len(t) for t in dec_tables)
             padded = np.zeros((len(dec_tables), width), dtype=np.int64)
             for i, t in enumerate(dec_tables):
                 padded[i, : len(t)] = t
-            key_pos = np.asarray(dec_first)[:, None] + np.arange(width * block_size)[None, :]
-            q_pos = np.asarray(dec_pos)[:, None]
-            lo = np.maximum(np.asarray(dec_from)[:, None], 0)
+            q_pos = np.asarray(dec_pos)
+            lo = np.maximum(np.asarray(dec_from), 0)
             if window is not None:
                 lo = np.maximum(lo, q_pos - window + 1)
-            mask = (key_pos <= q_pos) & (key_pos >= lo)
-            first = np.asarray(dec_first)[:, None]
-            meta.decode_lo = torch.from_numpy((lo - first)[:, 0].astype(np.int32))
-            meta.decode_hi = torch.from_numpy((q_pos + 1 - first)[:, 0].astype(np.int32))
+            first = np.asarray(dec_first)
+            meta.decode_lo = torch.from_numpy((lo - first).astype(np.int32))
+            meta.decode_hi = torch.from_numpy((q_pos + 1 - first).astype(np.int32))
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64)
             meta.decode_blocks = torch.from_numpy(padded.reshape(-1))
-            meta.decode_mask = torch.from_numpy(mask)[:, None, None, :]
         return meta
 
 
@@ -168,6 +169,7 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: boo
             meta.decode_hi, scale)
     kd = _gather(k_cache, meta.decode_blocks, batch)
     vd = _gather(v_cache, meta.decode_blocks, batch)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask,
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd,
+                                       attn_mask=meta.decode_mask(kd.shape[2]),
                                        scale=scale, enable_gqa=gqa)
     return o.squeeze(2)
