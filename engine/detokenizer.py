@@ -28,7 +28,10 @@ class IncrementalDetokenizer:
         for tid in token_ids:
             if self.stopped:
                 return
-            piece = self.stream.step(self.tokenizer.hf, int(tid))
+            try:
+                piece = self.stream.step(self.tokenizer.hf, int(tid))
+            except Exception:  # an id past the tokenizer's vocabulary (padded embeddings)
+                continue
             if not piece:
                 continue
             search_from = max(0, len(self.text) - self.hold)

@@ -78,7 +78,9 @@ class TokenizerService:
                     f"the prompt has {len(ids)} tokens; this model's context length is "
                     f"{self.context_len} tokens, which must also leave room for the output"
                 )
-        except (ValueError, ChatTemplateError) as exc:
+        except Exception as exc:  # bad input (template, ids, text) must not kill the process
+            if not isinstance(exc, (ValueError, ChatTemplateError)):
+                exc = ValueError(f"could not tokenize the request: {type(exc).__name__}: {exc}")
             return None, RequestOutput(
                 req.request_id, finish_reason=FinishReason.ERROR, error=str(exc)
             )

@@ -55,3 +55,23 @@ def test_chat_template_matches_transformers(tok, default_model):
     ref = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
     ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
     assert ids == list(ref)
+
+
+def test_ids_past_the_vocabulary_do_not_break_the_stream(tok):
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    ids = tok.encode("hello world", add_special_tokens=False)
+    d.add([ids[0], tok.vocab_size + 5, *ids[1:]])
+    assert d.take(final=True) == "hello world"
+
+
+def test_a_template_error_is_a_request_error_not_a_crash(default_model):
+    from engine.protocol import ChatMessage, GenerateRequest, SamplingParams
+    from engine.tokenizer_process import TokenizerService
+
+    tok = Tokenizer(str(default_model))  # its own: the template is broken on purpose
+    tok.chat_template = "{{ messages[0].nonexistent.deeper }}"
+    tok._compiled = None
+    service = TokenizerService(tok, 1024)
+    req = GenerateRequest("r", SamplingParams(), messages=[ChatMessage("user", "hi")])
+    tokenized, first = service.tokenize(req)
+    assert tokenized is None and first.error and "tokenize" in first.error
