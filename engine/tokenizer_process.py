@@ -46,9 +46,12 @@ class _Live(msgspec.Struct):
 class TokenizerService:
     """Pure logic of the actor (no sockets), so tests can drive it directly."""
 
-    def __init__(self, tokenizer: Tokenizer, context_len: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, context_len: int,
+                 model_vocab_size: int | None = None) -> None:
         self.tokenizer = tokenizer
         self.context_len = context_len
+        # Ids the model can embed: the smaller of the tokenizer's and the model's vocabulary.
+        self.vocab_limit = min(tokenizer.vocab_size, model_vocab_size or tokenizer.vocab_size)
         self.live: dict[str, _Live] = {}
 
     def tokenize(self, req: GenerateRequest) -> tuple[TokenizedRequest | None, RequestOutput]:
@@ -62,7 +65,7 @@ class TokenizerService:
                 prompt_text, ids = self.tokenizer.encode_chat(msgs, req.add_generation_prompt)
             elif req.prompt_token_ids is not None:
                 ids = unpack_ids(req.prompt_token_ids).tolist()
-                bad = [i for i in ids if not 0 <= i < self.tokenizer.vocab_size]
+                bad = [i for i in ids if not 0 <= i < self.vocab_limit]
                 if bad:
                     raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
                 prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
@@ -138,7 +141,8 @@ class TokenizerService:
 
 def main(ctx: ChildContext) -> None:
     cfg = ctx.config
-    service = TokenizerService(Tokenizer(cfg.resolved_model_dir()), cfg.context_len())
+    service = TokenizerService(Tokenizer(cfg.resolved_model_dir()), cfg.context_len(),
+                               cfg.model_info().vocab_size)
     inbound = pull(ctx.zmq, ctx.endpoints.tokenizer_in)
     to_client = push(ctx.zmq, ctx.endpoints.client_in)
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in)
