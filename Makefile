@@ -9,7 +9,7 @@ MODEL ?= default
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install install-test model serve test test-slow lint bench-peers clean
+.PHONY: install model serve test lint bench-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -46,9 +46,6 @@ lint: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test model lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
-
-test-slow: model
-	$(VENV)/bin/pytest -q -m slow $(PYTEST_ARGS)
 
 bench-peers: model
 	$(PY) scripts/bench_peers.py
