@@ -146,9 +146,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
         return info.sliding_window
 
-    def kv_bytes_per_block(self) -> int:
+    def kv_bytes_per_block(self, num_layers: int | None = None) -> int:
+        """Bytes of K and V for one block of `num_layers` layers (default: all of them)."""
         info = self.model_info()
-        per_token = 2 * info.num_layers * info.num_kv_heads * info.head_dim
+        layers = info.num_layers if num_layers is None else num_layers
+        per_token = 2 * layers * info.num_kv_heads * info.head_dim
         return per_token * self.block_size * _DTYPE_BYTES[self.dtype]
 
     def host_kv_blocks(self) -> int:
@@ -159,9 +161,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         full_layers = info.layers_in_group(0) if info.kv_groups()[0] == FULL else 0
         if not full_layers:
             return 0
-        per_block = (2 * full_layers * info.num_kv_heads * info.head_dim * self.block_size
-                     * _DTYPE_BYTES[self.dtype])
-        return max(1, int(self.host_kv_cache_gb * (1 << 30)) // per_block)
+        return max(1, int(self.host_kv_cache_gb * (1 << 30))
+                   // self.kv_bytes_per_block(full_layers))
 
     def kv_blocks(self) -> int:
         if self.num_kv_blocks is not None:

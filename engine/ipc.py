@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from pathlib import Path
 
 import msgspec
 import zmq
@@ -34,9 +33,6 @@ class Endpoints(msgspec.Struct, frozen=True):
 
     def remove(self) -> None:
         shutil.rmtree(self.root, ignore_errors=True)
-
-    def socket_files(self) -> list[Path]:
-        return list(Path(self.root).glob("*")) if Path(self.root).exists() else []
 
 
 def push(ctx: zmq.Context, addr: str) -> zmq.Socket:

@@ -247,10 +247,3 @@ SchedulerToTokenizer = TokenBatch
 SchedulerToWorker = StepPlan | Shutdown
 ControlMessage = ProcessReady | ProcessFailed
 
-
-def encoder() -> msgspec.msgpack.Encoder:
-    return msgspec.msgpack.Encoder()
-
-
-def decoder(kind) -> msgspec.msgpack.Decoder:
-    return msgspec.msgpack.Decoder(kind)

@@ -47,16 +47,14 @@ class ModelRunner:
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies, before the forward: swap-outs first, then swap-ins."""
-        if plan.swap_out:
-            pairs = torch.from_numpy(unpack_ids(plan.swap_out).astype(np.int64)).view(-1, 2)
+        for packed, to_host in ((plan.swap_out, True), (plan.swap_in, False)):
+            if not packed:
+                continue
+            pairs = torch.from_numpy(unpack_ids(packed).astype(np.int64)).view(-1, 2)
             for i in self.full_layers:
                 for dev, host in zip(self.kv_caches[i], self.host_caches[i]):
-                    host.index_copy_(0, pairs[:, 1], dev.index_select(0, pairs[:, 0]))
-        if plan.swap_in:
-            pairs = torch.from_numpy(unpack_ids(plan.swap_in).astype(np.int64)).view(-1, 2)
-            for i in self.full_layers:
-                for dev, host in zip(self.kv_caches[i], self.host_caches[i]):
-                    dev.index_copy_(0, pairs[:, 1], host.index_select(0, pairs[:, 0]))
+                    src, dst = (dev, host) if to_host else (host, dev)
+                    dst.index_copy_(0, pairs[:, 1], src.index_select(0, pairs[:, 0]))
 
     def _update_states(self, plan: StepPlan) -> None:
         self._copy_blocks(plan)
