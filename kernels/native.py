@@ -24,6 +24,8 @@ def _build_tag() -> str:
     """Keys the cached build: -march=native code must not run on another CPU, nor an old build
     against another torch."""
     flags = f"{platform.machine()} {torch.__version__}"
+    for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):  # not tracked by torch
+        flags += header.read_text()
     try:
         with open("/proc/cpuinfo") as f:
             flags += next((line for line in f if line.startswith("flags")), "")
@@ -77,3 +79,9 @@ class NativeOp:
         if op is None:
             raise RuntimeError(f"native op {self.name} unavailable: {self.error}")
         return op(*args)
+
+    def sibling(self, op_name: str) -> Callable[..., torch.Tensor]:
+        """Another op registered by the same source file (call `available` first)."""
+        if self.load() is None:
+            raise RuntimeError(f"native op {self.name} unavailable: {self.error}")
+        return getattr(torch.ops.deepinfer_cpu, op_name)

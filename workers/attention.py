@@ -1,7 +1,8 @@
 """Attention over the paged KV cache (torch backend: CPU and reference).
 
 A layer's cache is two tensors [num_blocks, block_size, kv_heads, head_dim]. A step writes its
-new K/V at `slot_mapping` (slot = block * block_size + offset), then attends:
+new K/V at `row_slots` (slot = block * block_size + offset; the rotary op does it, fused with
+the rotation), then attends:
 - all decode rows (one query each) in one batched SDPA call over their block-gathered contexts
   (gathering whole blocks with one index_select is ~1.5x cheaper than gathering slots);
 - each prefill chunk in its own SDPA call (causal within the chunk, full over earlier tokens).
@@ -45,8 +46,7 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
-    write_rows: torch.Tensor | None  # rows whose K/V are written (None: all)
-    slot_mapping: torch.Tensor  # cache slot of every written row
+    row_slots: torch.Tensor  # [T] int64 cache slot of every row's K/V; -1: not written
     decode_rows: torch.Tensor | None  # [B] rows of single-token (decode) queries
     decode_blocks: torch.Tensor | None  # [B * MB] padded block tables, flattened
     prefills: list[PrefillSeq]
@@ -64,17 +64,14 @@ class AttentionMetadata:
     @classmethod
     def build(cls, seqs: list[SeqSlice], block_size: int, window: int | None = None
               ) -> AttentionMetadata:
-        slot_parts, write_rows, prefills = [], [], []
+        slot_parts, prefills = [], []
         dec_rows, dec_tables, dec_first, dec_pos, dec_from = [], [], [], [], []
-        all_written = True
         row = 0
         for s in seqs:
-            first_write = max(s.start, s.write_from)
-            pos = np.arange(first_write, s.start + s.num_tokens, dtype=np.int64)
-            slot_parts.append(s.table[pos // block_size].astype(np.int64) * block_size
-                              + pos % block_size)
-            write_rows.append(np.arange(row + first_write - s.start, row + s.num_tokens))
-            all_written &= first_write == s.start
+            pos = np.arange(s.start, s.start + s.num_tokens, dtype=np.int64)
+            slots = s.table[pos // block_size].astype(np.int64) * block_size + pos % block_size
+            slots[pos < s.write_from] = -1  # replay: full layers already hold these
+            slot_parts.append(slots)
             end = s.start + s.num_tokens
             first_key = s.key_from if window is None else max(s.key_from, s.start - window + 1)
             first_block = max(0, first_key) // block_size
@@ -91,11 +88,7 @@ class AttentionMetadata:
                                            first_block * block_size, end, s.start, fresh,
                                            s.key_from))
             row += s.num_tokens
-        meta = cls(
-            None if all_written else torch.from_numpy(np.concatenate(write_rows)),
-            torch.from_numpy(np.concatenate(slot_parts)),
-            None, None, prefills, window,
-        )
+        meta = cls(torch.from_numpy(np.concatenate(slot_parts)), None, None, prefills, window)
         if dec_rows:
             width = max(len(t) for t in dec_tables)
             padded = np.zeros((len(dec_tables), width), dtype=np.int64)
@@ -128,10 +121,7 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
 ) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] (this step's). Returns [T, H, D]."""
-    kw, vw = (k, v) if meta.write_rows is None else (k[meta.write_rows], v[meta.write_rows])
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, meta.slot_mapping, kw)
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, meta.slot_mapping, vw)
+    """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already in the cache). Returns [T, H, D]."""
     gqa = q.shape[1] != k.shape[1]
     if meta.decode_rows is not None and not meta.prefills:
         return _decode(q, k_cache, v_cache, meta, scale, gqa)

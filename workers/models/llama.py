@@ -7,10 +7,10 @@ Projections are fused (q|k|v, gate|up) and loaded through `STACKED_PARAMS`.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.config import SLIDING, layer_kinds
+from kernels import cpu_fused
 from workers.attention import AttentionMetadata, paged_attention
 from workers.layers.linear import Linear, MergedLinear
 from workers.layers.norm import RMSNorm
@@ -47,7 +47,7 @@ class Attention(nn.Module):
         self.scale = self.head_dim**-0.5
         self._split = (q, kv, kv)
 
-    def forward(self, x, cos_sin, kv: tuple[torch.Tensor, torch.Tensor],
+    def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor],
                 metas: list[AttentionMetadata]):
         t = x.shape[0]
         q, k, v = self.qkv_proj(x).split(self._split, dim=-1)
@@ -56,8 +56,9 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(cos_sin, q, k)
-        o = paged_attention(q, k, v, kv[0], kv[1], metas[self.group], self.scale)
+        meta = metas[self.group]
+        self.rotary.apply_and_store(q, k, v, positions, kv[0], kv[1], meta.row_slots)
+        o = paged_attention(q, k, v, kv[0], kv[1], meta, self.scale)
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 
@@ -71,8 +72,10 @@ class MLP(nn.Module):
         self._inter = inter
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self._inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate_up = self.gate_up_proj(x)
+        if gate_up.is_contiguous() and cpu_fused.available(gate_up):
+            return self.down_proj(cpu_fused.silu_and_mul(gate_up))
+        return self.down_proj(cpu_fused.silu_and_mul_ref(gate_up))
 
 
 class DecoderLayer(nn.Module):
@@ -84,9 +87,17 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg["hidden_size"], eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos_sin, kv, metas):
-        x = x + self.self_attn(self.input_layernorm(x), cos_sin, kv, metas)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, residual, positions, kv, metas):
+        """x: the previous layer's output, residual: the stream before it (None at layer 0).
+        The residual adds are fused into the norms; returns (output, residual)."""
+        if residual is None:
+            residual = x
+            h = self.input_layernorm(x)
+        else:
+            h = self.input_layernorm(x, residual)
+        h = self.self_attn(h, positions, kv, metas)
+        h = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaModel(nn.Module):
@@ -106,11 +117,10 @@ class LlamaModel(nn.Module):
         self.rotary = rotary
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
-        x = self.embed_tokens(input_ids)
-        cos_sin = self.rotary.lookup(positions, x.dtype)
+        x, residual = self.embed_tokens(input_ids), None
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos_sin, kv, metas)
-        return self.norm(x)
+            x, residual = layer(x, residual, positions, kv, metas)
+        return self.norm(x, residual)
 
 
 class LlamaForCausalLM(nn.Module):
