@@ -120,6 +120,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t ks0 = k_cache.stride(0), ks1 = k_cache.stride(1), ks2 = k_cache.stride(2);
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float* qp = q.data_ptr<float>();
+  const int64_t qs0 = q.stride(0);  // rows may be strided views (of a fused qkv output)
   const float* kp = k_cache.data_ptr<float>();
   const float* vp = v_cache.data_ptr<float>();
   const index_t* tp = tables.data_ptr<index_t>();
@@ -139,7 +140,7 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / (KVH / hpt), kh0 = task % (KVH / hpt) * hpt;
       const int64_t first = lo[b], last = hi[b];
-      const float* qb = qp + (b * H + kh0 * G) * D;
+      const float* qb = qp + b * qs0 + kh0 * G * D;
       float* o = op + (b * H + kh0 * G) * D;
       if (first >= last) {
         std::fill(o, o + NH * D, 0.f);
@@ -234,7 +235,8 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   TORCH_CHECK(block_tables.scalar_type() == at::kInt || block_tables.scalar_type() == at::kLong,
               "block_tables must be int32 or int64");
   TORCH_CHECK(key_lo.numel() == B && key_hi.numel() == B, "key_lo and key_hi must be [B]");
-  const auto q_c = q.contiguous();
+  // Heads must be contiguous within a row; the rows themselves may be strided.
+  const auto q_c = q.stride(2) == 1 && q.stride(1) == D ? q : q.contiguous();
   const auto tables = block_tables.contiguous();
   const auto lo = key_lo.to(at::kInt).contiguous();
   const auto hi = key_hi.to(at::kInt).contiguous();
