@@ -10,12 +10,19 @@ native ops to.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
 from kernels.native import NativeOp
 
 _OP = NativeOp("fused_ops", "fused_ops.cpp", "silu_and_mul")
+
+
+@functools.cache
+def _op(name: str):
+    return _OP.sibling(name)  # resolved once: the lookup is on every layer's path
 
 
 def build_error() -> str | None:
@@ -32,7 +39,7 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
                  eps: float) -> torch.Tensor:
     """RMSNorm(residual + x) * weight, with residual += x in place; RMSNorm(x) * weight when
     residual is None. x, residual contiguous [..., n]."""
-    return _OP.sibling("add_rms_norm")(x, residual, weight, eps)
+    return _op("add_rms_norm")(x, residual, weight, eps)
 
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
@@ -54,7 +61,7 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     contiguous, rows may be strided views of a fused qkv output), cos/sin [max_pos, D] at
     int64 `positions` [T]; then k, v rows written to cache slots (`slots` [T] int64, -1: not
     written) of caches [num_blocks, block_size, KVH, D]."""
-    _OP.sibling("rope_store_kv")(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
+    _op("rope_store_kv")(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
 
 
 def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

