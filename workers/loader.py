@@ -9,7 +9,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from workers.layers.linear import Linear, MergedLinear
+from workers.layers.linear import MergedLinear
 from workers.models import model_class
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -27,8 +27,8 @@ def load_model(model_dir: str, dtype: str = "float32") -> nn.Module:
         model = cls(cfg)
     load_weights(model, model_dir)
     model.to(DTYPES[dtype])
-    for module in model.modules():
-        if isinstance(module, Linear):
+    for module in model.modules():  # weights final: packing and hot-path choices
+        if hasattr(module, "finalize"):
             module.finalize()
     return model.eval()
 

@@ -42,6 +42,9 @@ class Linear(nn.Module):
         )
         self._packed: torch.Tensor | None = None
         self._small_m = False
+        # Plain attributes for the hot path (nn.Module's parameter lookup costs ~1 us a call).
+        self._w: torch.Tensor | None = None
+        self._b: torch.Tensor | None = None
 
     def finalize(self, pack: bool = True) -> None:
         """Called once after the weights are loaded."""
@@ -51,12 +54,14 @@ class Linear(nn.Module):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
             if not self._small_m:
                 self.weight.data = torch.empty(0)  # the packed copy is the only one needed
+        self._w = self.weight.data
+        self._b = None if self.bias is None else self.bias.data
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self._small_m and x.shape[0] <= SMALL_M:
-            return cpu_linear.linear_small_m(x, self.weight, self.bias)
+            return cpu_linear.linear_small_m(x, self._w, self._b)
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._b, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

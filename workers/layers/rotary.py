@@ -53,6 +53,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
+        self._native = False  # set by finalize(), once the model has its final dtype
+
+    def finalize(self) -> None:
+        self._native = cpu_fused.available(self.cos)
 
     def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, k_cache: torch.Tensor | None = None,
@@ -60,7 +64,7 @@ class RotaryEmbedding(nn.Module):
                         ) -> None:
         """Rotate q [T, H, D] and k [T, KVH, D] in place at `positions`, then write k, v to
         the cache `slots` (-1: not written): one fused pass on CPU float32."""
-        native = (cpu_fused.available(q, k, v, k_cache, v_cache)
+        native = (self._native and q.dtype == torch.float32
                   and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
                   and (k_cache is None or (k_cache.is_contiguous() and v_cache.is_contiguous())))
         fn = cpu_fused.rope_store_kv if native else cpu_fused.rope_store_kv_ref

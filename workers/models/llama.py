@@ -69,11 +69,14 @@ class MLP(nn.Module):
         bias = cfg.get("mlp_bias", False)
         self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=bias)
         self.down_proj = Linear(inter, hidden, bias=bias)
-        self._inter = inter
+        self._native = False  # set by finalize()
+
+    def finalize(self) -> None:
+        self._native = cpu_fused.available(self.gate_up_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if gate_up.is_contiguous() and cpu_fused.available(gate_up):
+        if self._native and gate_up.is_contiguous():
             return self.down_proj(cpu_fused.silu_and_mul(gate_up))
         return self.down_proj(cpu_fused.silu_and_mul_ref(gate_up))
 
