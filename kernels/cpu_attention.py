@@ -1,10 +1,12 @@
 """Decode attention straight over the paged KV cache on CPU: a native kernel and its reference.
 
 `paged_decode_attention` reads K/V where they sit in the cache (no gather, no mask): parallel
-over rows (or (row, kv head) when rows are few), online softmax in float32. The C++ source
-(csrc/paged_attention.cpp) is built by torch's cpp_extension on first use (~10 s) and cached
-under the torch extensions dir. `available(*tensors)` says, never raising, whether it can be used;
-callers fall back to the gather + SDPA path (or `paged_decode_attention_ref`) when it says no.
+over rows, long rows split into runs of blocks whose partial softmax states are combined
+(flash-decoding, so a few long rows still use every thread), online softmax in float32. The
+C++ source (csrc/paged_attention.cpp) is built by torch's cpp_extension on first use (~10 s)
+and cached under the torch extensions dir. `available(*tensors)` says, never raising, whether
+it can be used; callers fall back to the gather + SDPA path (or `paged_decode_attention_ref`)
+when it says no.
 
 block_tables[b, i] is the cache block holding positions [i * block_size, (i + 1) * block_size)
 of row b; the row attends to positions [key_lo[b], key_hi[b]). Only the blocks of that range are

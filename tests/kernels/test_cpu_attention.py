@@ -77,11 +77,14 @@ def test_other_head_dims(dim: int) -> None:
 
 
 @pytest.mark.parametrize("num_threads", [1, 2])
-def test_whole_row_and_per_head_tasks(threads, num_threads: int) -> None:
-    """12 rows: whole-row tasks on one thread, (row, kv head) tasks on two."""
+def test_whole_and_split_rows(threads, num_threads: int) -> None:
+    """Many short rows (one task each) and a few long ones split into runs of blocks whose
+    partial softmax states are combined, with sliding lower bounds inside a block."""
     threads(num_threads)
     gen = torch.Generator().manual_seed(num_threads)
     check(make_case(gen, 12, 3, 3, 64, 16, max_ctx=200, sliding=True))
+    check(make_case(gen, 2, 3, 3, 64, 16, max_ctx=3000, sliding=True))
+    check(make_case(gen, 3, 2, 4, 64, 4, max_ctx=900))
 
 
 def test_long_context_and_scale() -> None:
