@@ -1,0 +1,61 @@
+"""A/B of native decode-attention kernel sources in one process (the machine is too noisy for
+separate runs): each source is built under its own op namespace and timed in alternation.
+
+    .venv/bin/python scripts/bench_decode_attention.py OLD.cpp kernels/csrc/paged_attention.cpp
+
+Each (batch, context) case: layers of random paged K/V (blocks scattered over the pool), every
+kernel timed six times in turn over all layers; prints median and best ms per layer.
+"""
+
+from __future__ import annotations
+
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from torch.utils.cpp_extension import load
+
+CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
+CASES = ((64, 144, 30), (8, 4096, 8), (2, 16384, 4), (1, 256, 30))  # batch, context, layers
+
+
+def build(index: int, source: str):
+    """Compile `source` with its op namespace renamed, return its decode op."""
+    namespace = f"bench_attn_{index}"
+    text = Path(source).read_text().replace("deepinfer_cpu", namespace)
+    copy = Path(tempfile.mkdtemp()) / f"{namespace}.cpp"
+    copy.write_text(text)
+    load(name=namespace, sources=[str(copy)], extra_cflags=["-O3", "-march=native", "-fopenmp"],
+         extra_ldflags=["-fopenmp"], extra_include_paths=[str(CSRC)], is_python_module=False)
+    return getattr(torch.ops, namespace).paged_decode_attention
+
+
+def main(sources: list[str]) -> None:
+    torch.set_num_threads(2)
+    ops = {src: build(i, src) for i, src in enumerate(sources)}
+    block, kv_heads, dim, heads = 16, 3, 64, 9  # SmolLM2-135M's attention
+    for batch, ctx, layers in CASES:
+        per_row = ctx // block
+        num_blocks = batch * per_row * max(1, 2048 // (batch * per_row)) + 16
+        caches = [(torch.randn(num_blocks, block, kv_heads, dim),
+                   torch.randn(num_blocks, block, kv_heads, dim)) for _ in range(layers)]
+        tables = torch.stack([torch.randperm(num_blocks)[:per_row] for _ in range(batch)])
+        lo = torch.zeros(batch, dtype=torch.int32)
+        hi = torch.full((batch,), ctx, dtype=torch.int32)
+        q = torch.randn(batch, heads, dim)
+        times: dict[str, list[float]] = {src: [] for src in sources}
+        for _ in range(6):
+            for src, op in ops.items():
+                start = time.perf_counter()
+                for k, v in caches:
+                    op(q, k, v, tables, lo, hi, dim**-0.5)
+                times[src].append((time.perf_counter() - start) / layers * 1e3)
+        cells = [f"{Path(src).name}: median {sorted(t)[len(t) // 2]:.3f} best {min(t):.3f} ms"
+                 for src, t in times.items()]
+        print(f"batch {batch} x context {ctx}: " + "  |  ".join(cells))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or [str(CSRC / "paged_attention.cpp")])
