@@ -6,8 +6,9 @@
 // A task is a run of consecutive blocks of one row (a whole row unless rows are few and long):
 // its query heads walk the blocks once, with an online softmax (running max and sum, rescaled
 // float32 accumulator), each chunk of blocks after a touch pass has pulled its K/V rows in; the
-// partial states of a split row are combined at the end. Loops are written for the auto-vectorizer
-// (-O3 -march=native); only the dot products use AVX2 intrinsics, with a portable fallback.
+// partial states of a split row are combined at the end. Loops are written for the
+// auto-vectorizer (-O3 -march=native); only the dot products use AVX2 intrinsics, with a
+// portable fallback.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -304,4 +305,6 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "Tensor key_lo, Tensor key_hi, float scale) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("paged_decode_attention", &paged_decode_attention);
+}
