@@ -49,6 +49,9 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
     elif arch == "mistral":
         cfg = transformers.MistralConfig(**base)
         cls = transformers.MistralForCausalLM
+    elif arch == "qwen2":  # q/k/v biases
+        cfg = transformers.Qwen2Config(**base)
+        cls = transformers.Qwen2ForCausalLM
     elif arch == "qwen3":
         base.setdefault("head_dim", 16)
         cfg = transformers.Qwen3Config(**base)

@@ -27,7 +27,8 @@ def load_model(model_dir: str, dtype: str = "float32") -> nn.Module:
         model = cls(cfg)
     load_weights(model, model_dir)
     model.to(DTYPES[dtype])
-    for module in model.modules():  # weights final: packing and hot-path choices
+    # Weights final: packing and hot-path choices, each module after the ones inside it.
+    for module in reversed(list(model.modules())):
         if hasattr(module, "finalize"):
             module.finalize()
     return model.eval()

@@ -21,6 +21,7 @@ CONFIGS = {
     "llama3-rope-scaling": ("llama", dict(rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
         high_freq_factor=4.0, original_max_position_embeddings=64))),
+    "qwen2-qkv-bias": ("qwen2", dict(num_key_value_heads=2)),
     "qwen3-qk-norm": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral-sliding-window": ("mistral", dict(sliding_window=7)),
     "qwen3-hybrid-sliding": ("qwen3", dict(
