@@ -1,4 +1,4 @@
-// One Llama-family decoder layer for a small decode batch (CPU, float32), in one native call.
+// One Llama-family decoder layer for a decode step (CPU, float32), in one native call.
 //
 // At batch 1 a layer's kernels take ~0.6 ms but the Python around them (module calls, views,
 // checks, one dispatch per op) took another ~0.11 ms: ~3 ms a token. This op runs the same
@@ -7,12 +7,15 @@
 //   h = rmsnorm(x [+ residual]); q|k|v = h W_qkv^T (+ b); rotary + K/V store;
 //   o = paged decode attention; h = rmsnorm(o W_o^T + residual); out = down(silu(gate) * up)
 // The residual stream is updated in place (at layer 0 it is x itself); returns the layer's
-// output. Only for rows that are all decodes (one token each) of plain-weight small-M linears.
+// output. Only for rows that are all decodes (one token each). Linears take the plain weight
+// through the small-M kernel for up to 4 rows and the oneDNN-packed one above, as
+// workers/layers/linear.py does.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
 #include <optional>
+#include <string>
 
 namespace {
 
@@ -23,11 +26,30 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Signature>();
 }
 
+constexpr int64_t kSmallM = 4;  // workers/layers/linear.py SMALL_M
+
+// y = x W^T (+ b): the small-M kernel on the plain weight, or oneDNN on the packed one.
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& packed,
+                  const OptTensor& bias) {
+  static const auto small_m =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+          "deepinfer_cpu::linear_small_m");
+  static const auto onednn =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  if (x.size(0) <= kSmallM || !packed.has_value()) return small_m.call(x, weight, bias);
+  torch::jit::Stack stack{x, *packed, bias, std::string("none"),
+                          c10::List<std::optional<at::Scalar>>(), std::string("")};
+  onednn.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                         const at::Tensor& qkv_weight, const OptTensor& qkv_bias,
                         const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
-                        const at::Tensor& down_weight, const at::Tensor& cos,
+                        const at::Tensor& down_weight, const OptTensor& qkv_packed,
+                        const OptTensor& o_packed, const OptTensor& gate_up_packed,
+                        const OptTensor& down_packed, const at::Tensor& cos,
                         const at::Tensor& sin, const at::Tensor& positions,
                         const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& block_tables,
@@ -36,9 +58,6 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
   static const auto norm =
       op<at::Tensor(const at::Tensor&, const OptTensor&, const at::Tensor&, double)>(
           "deepinfer_cpu::add_rms_norm");
-  static const auto linear =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
-          "deepinfer_cpu::linear_small_m");
   static const auto rope =
       op<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
               const at::Tensor&, const at::Tensor&, const OptTensor&, const OptTensor&,
@@ -56,17 +75,18 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
   // Layer 0: the residual stream starts as x itself (the caller passes x as `residual`).
   const at::Tensor h = first_layer ? norm.call(x, std::nullopt, input_norm, eps)
                                    : norm.call(x, residual, input_norm, eps);
-  const at::Tensor qkv = linear.call(h, qkv_weight, qkv_bias);
+  const at::Tensor qkv = linear(h, qkv_weight, qkv_packed, qkv_bias);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   rope.call(q, k, v, cos, sin, positions, k_cache, v_cache, slots);
   const at::Tensor o = attention.call(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale);
-  const at::Tensor attn_out = linear.call(o.view({T, q_size}), o_weight, std::nullopt);
+  const at::Tensor attn_out = linear(o.view({T, q_size}), o_weight, o_packed, std::nullopt);
   const at::Tensor h2 = norm.call(attn_out, residual, post_norm, eps);
-  const at::Tensor act = silu_and_mul.call(linear.call(h2, gate_up_weight, std::nullopt));
-  return linear.call(act, down_weight, std::nullopt);
+  const at::Tensor act =
+      silu_and_mul.call(linear(h2, gate_up_weight, gate_up_packed, std::nullopt));
+  return linear(act, down_weight, down_packed, std::nullopt);
 }
 
 }  // namespace
@@ -74,9 +94,12 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("decode_layer(Tensor x, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, "
         "float eps, Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor gate_up_weight, "
-        "Tensor down_weight, Tensor cos, Tensor sin, Tensor positions, Tensor(b!) k_cache, "
+        "Tensor down_weight, Tensor? qkv_packed, Tensor? o_packed, Tensor? gate_up_packed, "
+        "Tensor? down_packed, Tensor cos, Tensor sin, Tensor positions, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor key_lo, Tensor key_hi, "
         "int num_heads, int num_kv_heads, float scale, bool first_layer) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) { m.impl("decode_layer", &decode_layer); }
+// The oneDNN-packed weights are MkldnnCPU tensors: the call dispatches on that key then.
+TORCH_LIBRARY_IMPL(deepinfer_cpu, MkldnnCPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -21,18 +21,20 @@ pytestmark = pytest.mark.skipif(
     ("mistral", dict(sliding_window=7)),  # every layer sliding: window bounds per row
     ("qwen2", dict(num_key_value_heads=2)),  # q/k/v biases
 ])
-def test_matches_python_layers(tmp_path, arch: str, overrides: dict) -> None:
+@pytest.mark.parametrize("batch", [2, 6])  # small-M kernel / oneDNN-packed linears
+def test_matches_python_layers(tmp_path, arch: str, overrides: dict, batch: int) -> None:
     from workers.model_runner import ModelRunner
 
     model_dir = save_tiny_model(tmp_path, arch, **overrides)
-    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4)
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4)  # 10 a request
     fast, slow = ModelRunner(cfg), ModelRunner(cfg)
     assert fast.model.model._fast_layers, "the one-call decode layer should be in use"
     slow.model.model._fast_layers = None  # the Python layers
 
     rng = np.random.default_rng(0)
-    prompts = {"a": rng.integers(3, 40000, 21).tolist(), "b": rng.integers(3, 40000, 9).tolist()}
-    tables = {"a": np.arange(0, 12, dtype=np.int32), "b": np.arange(12, 24, dtype=np.int32)}
+    prompts = {f"r{i}": rng.integers(3, 40000, int(rng.integers(5, 22))).tolist()
+               for i in range(batch)}
+    tables = {rid: np.arange(10 * i, 10 * i + 10, dtype=np.int32) for i, rid in enumerate(prompts)}
 
     def seq(rid: str, tokens: list[int], start: int) -> ScheduledSeq:
         return ScheduledSeq(rid, pack_ids(tokens), start, [tables[rid].tobytes()], True)

@@ -12,7 +12,7 @@ from torch import nn
 from engine.config import SLIDING, layer_kinds
 from kernels import cpu_decode_layer, cpu_fused
 from workers.attention import AttentionMetadata, paged_attention
-from workers.layers.linear import SMALL_M, Linear, MergedLinear
+from workers.layers.linear import Linear, MergedLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters
 
@@ -138,30 +138,31 @@ class LlamaModel(nn.Module):
                 return
             fast.append((attn.group, norms[0]._native_weight, norms[1]._native_weight,
                          norms[0].eps, attn.qkv_proj._w, attn.qkv_proj._b, attn.o_proj._w,
-                         mlp.gate_up_proj._w, mlp.down_proj._w, self.rotary.cos,
+                         mlp.gate_up_proj._w, mlp.down_proj._w,
+                         tuple(lin._packed for lin in linears), self.rotary.cos,
                          self.rotary.sin, attn.num_heads, attn.num_kv_heads, attn.scale))
         self._fast_layers = fast
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         x, residual = self.embed_tokens(input_ids), None
-        if (self._fast_layers and x.shape[0] <= SMALL_M
-                and all(m.decode_rows is not None and not m.prefills for m in metas)):
+        if self._fast_layers and all(m.decode_rows is not None and not m.prefills for m in metas):
             return self._decode_fast(x, positions, kv_caches, metas)
         for layer, kv in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, positions, kv, metas)
         return self.norm(x, residual)
 
     def _decode_fast(self, x, positions, kv_caches, metas: list[AttentionMetadata]):
-        """All rows are decodes of a small batch: one native call per layer."""
+        """All rows are decodes: one native call per layer."""
         tables = [m.decode_blocks.view(x.shape[0], -1) for m in metas]
         residual = x  # layer 0 normalizes x and then adds into it
-        for i, ((group, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, cos,
-                 sin, heads, kv_heads, scale), kv) in enumerate(zip(self._fast_layers, kv_caches)):
+        for i, ((group, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, packed,
+                 cos, sin, heads, kv_heads, scale), kv) in enumerate(zip(self._fast_layers,
+                                                                         kv_caches)):
             meta = metas[group]
             x = cpu_decode_layer.decode_layer(
-                x, residual, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w, cos,
-                sin, positions, kv[0], kv[1], meta.row_slots, tables[group], meta.decode_lo,
-                meta.decode_hi, heads, kv_heads, scale, i == 0)
+                x, residual, in_norm, post_norm, eps, qkv_w, qkv_b, o_w, gate_up_w, down_w,
+                packed, cos, sin, positions, kv[0], kv[1], meta.row_slots, tables[group],
+                meta.decode_lo, meta.decode_hi, heads, kv_heads, scale, i == 0)
         return self.norm(x, residual)
 
 
