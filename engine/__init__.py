@@ -10,7 +10,7 @@ __all__ = ["LLM", "SamplingParams"]
 def __getattr__(name: str):
     # Lazy so that `import engine.protocol` in a worker stays light.
     if name == "LLM":
-        from engine.llm import LLM
+        from engine.runtime.llm import LLM
 
         return LLM
     raise AttributeError(name)

@@ -32,7 +32,7 @@ class Request:
         self.params = params
         self.num_computed = 0  # tokens whose KV is in the cache
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
-        self.cache_node = None  # pinned prefix-cache path (engine.radix_cache.RadixNode)
+        self.cache_node = None  # pinned prefix-cache path (engine.kvcache.radix_cache.RadixNode)
         self.window_from = 0  # sliding-layer keys below this were never computed (replay)
         self.full_kv_from = 0  # full layers already hold K/V below this (prefix hit)
         self.num_replayed = 0  # tokens recomputed for sliding windows after the last hit

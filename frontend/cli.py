@@ -72,7 +72,7 @@ def ensure_model(model: str) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from frontend.server import serve
+    from frontend.server.server import serve
 
     ensure_model(args.model)
     return serve(engine_config(args), args.host, args.port, args.max_pending,
@@ -80,9 +80,9 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.llm import LLM
     from engine.protocol import SamplingParams
-    from engine.tokenizer import Tokenizer
+    from engine.runtime.llm import LLM
+    from engine.tokenizer.tokenizer import Tokenizer
 
     ensure_model(args.model)
     config = engine_config(args)
@@ -104,7 +104,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from frontend import bench_serving
+    from frontend.bench import serving as bench_serving
 
     return bench_serving.run(args)
 
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    from frontend.bench_serving import add_arguments
+    from frontend.bench.serving import add_arguments
 
     add_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)

@@ -7,7 +7,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from frontend.bench_serving import main  # noqa: E402
+from frontend.bench.serving import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

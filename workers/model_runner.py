@@ -9,10 +9,10 @@ import torch
 
 from engine.config import SLIDING, EngineConfig
 from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
-from kernels import cpu_attention
-from workers.attention import AttentionMetadata, SeqSlice
+from kernels.cpu import attention as cpu_attention
+from workers.attention.paged import AttentionMetadata, SeqSlice
 from workers.loader import DTYPES, load_model
-from workers.sampler import Sampler, SamplingState
+from workers.sample.sampler import Sampler, SamplingState
 
 
 class ModelRunner:

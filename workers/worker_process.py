@@ -13,9 +13,9 @@ import msgspec
 import torch
 
 from engine import envs
-from engine.ipc import pull, push
-from engine.process_entry import ChildContext
 from engine.protocol import SchedulerToWorker, Shutdown
+from engine.runtime.ipc import pull, push
+from engine.runtime.process_entry import ChildContext
 
 log = logging.getLogger("deepinfer.worker")
 

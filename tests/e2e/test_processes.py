@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from engine import LLM, SamplingParams
-from engine.launcher import EngineStartupError
+from engine.runtime.launcher import EngineStartupError
 
 
 def alive(pid: int) -> bool:

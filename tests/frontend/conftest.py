@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from frontend.app import build_app
-from frontend.state import ServerState
+from frontend.server.app import build_app
+from frontend.server.state import ServerState
 from tests.frontend.fake_engine import MODEL, FakeEngineClient
 
 

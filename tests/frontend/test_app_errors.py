@@ -7,8 +7,8 @@ import threading
 import pytest
 from starlette.testclient import TestClient
 
-from frontend.app import build_app
-from frontend.state import ServerState
+from frontend.server.app import build_app
+from frontend.server.state import ServerState
 from tests.frontend.fake_engine import MODEL, FakeEngineClient, chat, sse
 
 BAD = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from starlette.testclient import TestClient
 
-from frontend.app import build_app
+from frontend.server.app import build_app
 from tests.frontend.fake_engine import MODEL, chat, sse
 
 

@@ -53,4 +53,4 @@ def test_missing_prepare_script_says_what_to_do(tmp_path, monkeypatch):
 def test_scripts_are_thin_wrappers():
     root = Path(__file__).resolve().parents[2]
     assert "frontend.cli import main" in (root / "scripts/launch_server.py").read_text()
-    assert "frontend.bench_serving import main" in (root / "scripts/bench_serving.py").read_text()
+    assert "frontend.bench.serving import main" in (root / "scripts/bench_serving.py").read_text()

@@ -7,9 +7,9 @@ import asyncio
 import pytest
 
 from engine.protocol import GenerateRequest, SamplingParams
-from frontend.errors import APIError
-from frontend.generation import Generation, collect, seeded
-from frontend.state import ServerState
+from frontend.server.errors import APIError
+from frontend.server.generation import Generation, collect, seeded
+from frontend.server.state import ServerState
 from tests.frontend.fake_engine import FakeEngineClient
 
 

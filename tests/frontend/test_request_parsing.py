@@ -5,14 +5,14 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from frontend.bench_client import RequestResult
-from frontend.bench_datasets import random_requests, shared_prefix_requests
-from frontend.bench_metrics import parse_goodput, summarize, tpot
-from frontend.errors import APIError, decode_error
-from frontend.openai_schema import decode_chat, decode_completion
-from frontend.prompts import chat_messages, completion_prompts
-from frontend.sampling import chat_params, completion_params
-from frontend.state import ServerState
+from frontend.bench.client import RequestResult
+from frontend.bench.datasets import random_requests, shared_prefix_requests
+from frontend.bench.metrics import parse_goodput, summarize, tpot
+from frontend.server.errors import APIError, decode_error
+from frontend.server.openai_schema import decode_chat, decode_completion
+from frontend.server.prompts import chat_messages, completion_prompts
+from frontend.server.sampling import chat_params, completion_params
+from frontend.server.state import ServerState
 
 MSG = b'"messages": [{"role": "user", "content": "hi"}]'
 

@@ -14,7 +14,7 @@ import openai
 import pytest
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.tokenizer import Tokenizer
+from engine.tokenizer.tokenizer import Tokenizer
 from tests.frontend.server_process import REPO, ServerProcess, descendants
 
 MAX_PENDING = 4

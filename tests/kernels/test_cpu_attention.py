@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_attention import (
+from kernels.cpu.attention import (
     available,
     build_error,
     paged_decode_attention,

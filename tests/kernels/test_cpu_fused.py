@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels import cpu_fused
+from kernels.cpu import fused as cpu_fused
 
 pytestmark = pytest.mark.skipif(
     not cpu_fused.available(), reason=f"fused ops cannot be built: {cpu_fused.build_error()}"

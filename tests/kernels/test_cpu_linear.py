@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_linear import available, build_error, linear_small_m
+from kernels.cpu.linear import available, build_error, linear_small_m
 
 pytestmark = pytest.mark.skipif(
     not available(), reason=f"small-M linear extension cannot be built: {build_error()}"
@@ -107,7 +107,7 @@ def test_available_checks_tensors() -> None:
 
 def test_coexists_with_paged_attention() -> None:
     """Both extensions register ops in the deepinfer_cpu namespace; loading both must work."""
-    from kernels import cpu_attention
+    from kernels.cpu import attention as cpu_attention
 
     assert cpu_attention.available(), cpu_attention.build_error()
     assert hasattr(torch.ops.deepinfer_cpu, "paged_decode_attention")

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import cpu_attention
-from workers import attention
-from workers.attention import AttentionMetadata, SeqSlice, paged_attention
+from kernels.cpu import attention as cpu_attention
+from workers.attention import paged as attention
+from workers.attention.paged import AttentionMetadata, SeqSlice, paged_attention
 
 
 def naive(q, k_all, v_all, lo, hi, scale):

@@ -8,7 +8,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.protocol import NewRequestInfo, SamplingParams, ScheduledSeq, StepPlan, pack_ids
-from kernels import cpu_decode_layer
+from kernels.cpu import decode_layer as cpu_decode_layer
 from tests.conftest import save_tiny_model
 
 pytestmark = pytest.mark.skipif(

@@ -10,7 +10,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids, unpack_ids
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import save_tiny_model
 
 CONFIGS = {
@@ -49,7 +49,7 @@ def hf_logits(model_dir, prompt: list[int]) -> torch.Tensor:
 def test_prefill_logits_match_hf_under_chunking(tiny, kernels, monkeypatch):
     """`torch`: every native CPU op reports itself unavailable, so the torch fallbacks (the
     path other devices and dtypes take) are held to HF too."""
-    from kernels.native import NativeOp
+    from kernels.cpu.native import NativeOp
     from workers.model_runner import ModelRunner
 
     if kernels == "torch":

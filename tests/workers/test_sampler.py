@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.protocol import SamplingParams
-from workers.sampler import Sampler, SamplingState, apply_penalties
+from workers.sample.sampler import Sampler, SamplingState, apply_penalties
 
 
 def state(prompt=(1, 2), output=(), **params) -> SamplingState:

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import cpu_linear
+from kernels.cpu import linear as cpu_linear
 
 SMALL_M = 4  # largest batch the weight-streaming kernel handles better than a GEMM
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels import cpu_fused
+from kernels.cpu import fused as cpu_fused
 
 
 class RMSNorm(nn.Module):

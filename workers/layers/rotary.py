@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from kernels import cpu_fused
+from kernels.cpu import fused as cpu_fused
 
 
 def rope_parameters(cfg: dict) -> dict:

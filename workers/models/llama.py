@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from engine.config import SLIDING, layer_kinds
-from kernels import cpu_decode_layer, cpu_fused
-from workers.attention import AttentionMetadata, paged_attention
+from kernels.cpu import decode_layer as cpu_decode_layer
+from kernels.cpu import fused as cpu_fused
+from workers.attention.paged import AttentionMetadata, paged_attention
 from workers.layers.linear import Linear, MergedLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, rope_parameters

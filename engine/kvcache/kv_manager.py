@@ -1,0 +1,190 @@
+"""KV blocks of every request, per KV group, with the prefix cache on the full-attention group.
+
+Groups (ModelInfo.kv_groups): full-attention layers keep every block of a request; sliding-window
+layers keep only the blocks their window can still see, so their memory per request is bounded
+by the window W, not by the sequence length. Each group has its own allocator and a request has
+one block table per group (a freed sliding block leaves -1 in its table).
+
+Prefix cache (radix tree over the full group): a hit at H reuses blocks [0, H) of the full
+layers. Sliding layers have no cached KV, so the hit replays tokens [R, H), R = H - W rounded
+down to a block, through the model (full layers attend but do not write there) to rebuild the
+window: a hit costs at most W + block_size - 1 tokens of prefill, whatever H is. The numerical
+contract is in the README ("Prefix caching and sliding windows").
+"""
+
+from __future__ import annotations
+
+import time
+
+from engine.config import FULL, SLIDING
+from engine.kvcache.block_allocator import BlockAllocator
+from engine.kvcache.host_tier import HostTier
+from engine.kvcache.radix_cache import RadixCache
+from engine.request import Request
+
+
+class KVManager:
+    def __init__(
+        self, num_blocks: int, block_size: int, groups: list[str], window: int | None,
+        prefix_caching: bool = True, replay_tokens: int | None = None,
+        host_blocks: int = 0,
+    ) -> None:
+        self.block_size = block_size
+        # Tokens a hit recomputes for sliding layers: W (bounded, approximate) by default;
+        # sliding_layers * W makes the rebuilt windows exact (see README).
+        self.replay_tokens = replay_tokens if replay_tokens is not None else (window or 0)
+        self.groups = groups
+        self.window = window
+        self.allocators = [BlockAllocator(num_blocks, block_size) for _ in groups]
+        self.full = groups.index(FULL) if FULL in groups else None
+        self.sliding = groups.index(SLIDING) if SLIDING in groups else None
+        # Without full-attention layers nothing exact can be reused: no prefix cache.
+        self.cache = (RadixCache(self.allocators[self.full], block_size)
+                      if prefix_caching and self.full is not None else None)
+        self.replayed_tokens = 0
+        self._evictable, self._evictable_at = 0, float("-inf")
+        self.host = (HostTier(host_blocks, block_size)
+                     if host_blocks and self.cache is not None else None)
+        if self.host is not None:
+            self.cache.on_evict = self.host.store
+
+    # ------------------------------------------------------------------ capacity
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocators[0].num_blocks
+
+    def num_free(self) -> int:
+        """Free blocks over all groups (evictable cached blocks not counted)."""
+        return sum(a.num_free for a in self.allocators)
+
+    def num_reusable(self, max_age: float = 0.0) -> int:
+        """Free blocks plus cached blocks no request uses (evicted on demand).
+
+        Counting the evictable ones walks the tree (~1 ms per 1000 nodes), so a caller on the
+        hot path may accept a count up to `max_age` seconds old.
+        """
+        if self.cache is None:
+            return self.num_free()
+        now = time.monotonic()
+        if now - self._evictable_at > max_age:
+            self._evictable, self._evictable_at = self.cache.evictable_blocks(), now
+        return self.num_free() + self._evictable
+
+    def num_total(self) -> int:
+        return sum(a.num_blocks for a in self.allocators)
+
+    def _available(self, g: int) -> int:
+        free = self.allocators[g].num_free
+        if g == self.full and self.cache is not None and free < self.num_blocks:
+            free += self.cache.evictable_blocks()
+        return free
+
+    def needs(self, req: Request, upto: int) -> list[int]:
+        """New blocks per group for the request to hold `upto` tokens."""
+        n = -(-upto // self.block_size)
+        return [max(0, n - len(t)) for t in req.tables]
+
+    def can_allocate(self, needs: list[int]) -> bool:
+        return all(n <= self.allocators[g].num_free or n <= self._available(g)
+                   for g, n in enumerate(needs) if n)
+
+    def allocate(self, req: Request, needs: list[int]) -> None:
+        for g, n in enumerate(needs):
+            if not n:
+                continue
+            short = n - self.allocators[g].num_free
+            if short > 0 and g == self.full and self.cache is not None:
+                self.cache.evict(short)
+            req.tables[g] += self.allocators[g].allocate(n)
+
+    def drop_outside_window(self, req: Request, next_pos: int) -> None:
+        """Free sliding blocks that no query at next_pos or later can see (keys > q - W)."""
+        if self.sliding is None or self.window is None:
+            return
+        table = req.tables[self.sliding]
+        # Block j is invisible once its last key (j+1)*bs - 1 <= next_pos - W.
+        last_dead = (next_pos - self.window + 1) // self.block_size
+        for j in range(min(last_dead, len(table))):
+            if table[j] >= 0:
+                self.allocators[self.sliding].free([table[j]])
+                table[j] = -1
+
+    def release(self, req: Request) -> None:
+        """Free the request's blocks (cached ones stay in the tree) and unpin its prefix."""
+        for g, table in enumerate(req.tables):
+            self.allocators[g].free([b for b in table if b >= 0])
+        req.tables = [[] for _ in self.groups]
+        if req.cache_node is not None and self.cache is not None:
+            self.cache.unlock(req.cache_node)
+        req.cache_node = None
+
+    # ------------------------------------------------------------------ prefix cache
+
+    def match_prefix(self, req: Request) -> None:
+        """On admission: reuse the longest cached prefix and set where computing starts."""
+        req.num_cached = req.full_kv_from = req.window_from = req.num_replayed = 0
+        if self.cache is None or req.num_computed:
+            return
+        # At least one token is computed: its logits give the next token.
+        tokens = req.tokens(0, req.num_tokens)
+        match = self.cache.match(tokens, max_tokens=req.num_tokens - 1)
+        self.cache.lock(match)
+        req.cache_node = match.node
+        hit = match.num_tokens
+        req.tables[self.full] = list(match.blocks)
+        if self.host is not None:
+            hit += self._swap_in(req, tokens, hit)
+        req.num_cached = hit
+        start = hit
+        if self.sliding is not None and hit:
+            # SWA bounded replay: recompute [R, H) so sliding layers have their window.
+            replay_from = max(0, hit - self.replay_tokens) // self.block_size * self.block_size
+            req.tables[self.sliding] = [-1] * (replay_from // self.block_size)
+            req.window_from = replay_from
+            self.replayed_tokens += hit - replay_from
+            req.num_replayed = hit - replay_from
+            start = replay_from
+        req.full_kv_from = hit
+        req.num_computed = start
+
+    def _swap_in(self, req: Request, tokens, hit: int) -> int:
+        """Continue a radix hit from the host tier; returns the extra cached tokens."""
+        found = self.host.lookup(tokens, hit, req.num_tokens - 1)
+        allocator = self.allocators[self.full]
+        short = len(found) - allocator.num_free
+        if short > 0:
+            self.cache.evict(short)
+        found = found[: allocator.num_free]
+        if not found:
+            return 0
+        device = allocator.allocate(len(found))
+        for h, d in zip(found, device):
+            self.host.plan_swap_in(h, d)
+        req.tables[self.full] += device
+        self.host.hit_tokens += len(found) * self.block_size
+        self.cache.hits_tokens += len(found) * self.block_size
+        return len(found) * self.block_size
+
+    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """Host-tier copies (swap-out, swap-in) the next plan must carry."""
+        return self.host.take_copies() if self.host is not None else ([], [])
+
+    def unmatch_prefix(self, req: Request) -> None:
+        """Undo match_prefix for a request that could not be admitted after all."""
+        if self.host is not None and self.full is not None:
+            self.host.cancel_swap_in(req.tables[self.full])
+        if self.cache is not None and req.cache_node is not None:
+            self.cache.hits_tokens -= req.num_cached  # it will be looked up again
+            self.cache.queries_tokens -= req.num_tokens
+            self.replayed_tokens -= req.num_replayed
+        self.release(req)
+        req.num_computed = req.num_cached = req.full_kv_from = req.window_from = 0
+        req.num_replayed = 0
+
+    def cache_request(self, req: Request) -> None:
+        """Offer the request's computed full blocks to the prefix cache."""
+        if self.cache is None or not req.tables[self.full]:
+            return
+        computed = min(req.num_computed, req.num_tokens)
+        self.cache.insert(req.tokens(0, computed), req.tables[self.full])

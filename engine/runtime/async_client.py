@@ -1,0 +1,130 @@
+"""The asyncio face of a running engine, used by the API server.
+
+It owns the launcher, sends GenerateRequest/Abort to the tokenizer process and routes each
+RequestOutput to the request's queue. A request whose consumer stops listening (client
+disconnect, cancellation) is aborted in every process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from engine.config import EngineConfig
+from engine.protocol import (
+    Abort,
+    FinishReason,
+    GenerateRequest,
+    OutputBatch,
+    RequestOutput,
+    SchedulerStats,
+)
+from engine.runtime.ipc import Endpoints
+from engine.runtime.launcher import Launcher
+
+log = logging.getLogger("deepinfer.client")
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class AsyncEngineClient:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_name = config.model_name()
+        self.context_len = config.context_len()
+        self.stats = SchedulerStats()
+        self.dead_reason: str | None = None
+        self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._endpoints = Endpoints.create(config.tensor_parallel_size)
+        self._zmq = zmq.asyncio.Context()
+        self._in = self._zmq.socket(zmq.PULL)
+        self._in.setsockopt(zmq.LINGER, 0)
+        self._in.bind(self._endpoints.client_in)
+        self._out = self._zmq.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.LINGER, 0)
+        self._out.connect(self._endpoints.tokenizer_in)
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._decode = msgspec.msgpack.Decoder(OutputBatch).decode
+        self.launcher = Launcher(config, self._endpoints)
+        self._reader: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def start(self, on_failure=None) -> None:
+        """Start the engine processes (blocking work runs in a thread) and the output reader."""
+        self._loop = asyncio.get_running_loop()
+        await asyncio.to_thread(self.launcher.start)
+        self._reader = asyncio.create_task(self._read_outputs())
+
+        def failed(reason: str) -> None:
+            self.dead_reason = reason
+            self._loop.call_soon_threadsafe(self._fail_all, reason)
+            if on_failure is not None:
+                self._loop.call_soon_threadsafe(on_failure, reason)
+
+        self.launcher.supervise(failed)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead_reason is None and self.launcher.alive()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._queues)
+
+    def _fail_all(self, reason: str) -> None:
+        self.dead_reason = reason
+        for rid, queue in self._queues.items():
+            queue.put_nowait(RequestOutput(
+                rid, finish_reason=FinishReason.ERROR, error=f"engine failed: {reason}"))
+
+    async def _read_outputs(self) -> None:
+        while True:
+            batch = self._decode(await self._in.recv())
+            if batch.stats is not None:
+                self.stats = batch.stats
+            for out in batch.outputs:
+                queue = self._queues.get(out.request_id)
+                if queue is not None:
+                    queue.put_nowait(out)
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until one carries a finish_reason."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        rid = request.request_id
+        if rid in self._queues:
+            raise ValueError(f"request id {rid!r} is already in flight")
+        queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
+        self._queues[rid] = queue
+        finished = False
+        try:
+            await self._out.send(self._encode(request))
+            while True:
+                out = await queue.get()
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            self._queues.pop(rid, None)
+            if not finished:
+                await self.abort([rid])
+
+    async def abort(self, request_ids: list[str]) -> None:
+        if self.dead_reason is None:
+            await self._out.send(self._encode(Abort(request_ids)))
+
+    async def shutdown(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        # Blocking on purpose (a few seconds at most): at interpreter exit no executor is left.
+        self.launcher.shutdown()
+        self._in.close(0)
+        self._out.close(0)

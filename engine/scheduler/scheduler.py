@@ -1,0 +1,258 @@
+"""Continuous batching over a paged KV cache, with chunked prefill and preemption by recompute.
+
+Pure logic, no sockets and no torch: `schedule()` picks the next step, `update()` applies the
+workers' sampled tokens. Tests drive it directly with a hand-made config.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.config import FULL
+from engine.kvcache.kv_manager import KVManager
+from engine.protocol import (
+    FinishReason,
+    NewRequestInfo,
+    ScheduledSeq,
+    SchedulerStats,
+    StepPlan,
+    StepResult,
+    TokenDelta,
+    TokenizedRequest,
+    pack_ids,
+    unpack_ids,
+)
+from engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    prefill_chunk_size: int = 512
+    context_len: int = 4096
+    eos_token_ids: tuple[int, ...] = ()
+    kv_groups: tuple[str, ...] = (FULL,)
+    sliding_window: int | None = None
+    prefix_caching: bool = True
+    swa_replay_tokens: int | None = None  # None: the window W
+    host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
+
+
+@dataclass
+class ScheduledStep:
+    plan: StepPlan
+    scheduled: list[tuple[Request, ScheduledSeq]] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
+                            config.sliding_window, config.prefix_caching,
+                            config.swa_replay_tokens, config.host_blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._finished_for_workers: list[str] = []
+        self._arrivals = 0
+        self._step_id = 0
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        # No request may outgrow the context or the whole KV cache.
+        self.max_len = min(config.context_len, config.num_blocks * config.block_size)
+        self.allocator = self.kv.allocators[0]  # the full group's pool (tests, stats)
+
+    # ------------------------------------------------------------------ requests in / out
+
+    def add(self, msg: TokenizedRequest) -> TokenDelta | None:
+        """Queue a request; returns an error delta when it can never run."""
+        prompt = unpack_ids(msg.prompt_ids)
+        if msg.request_id in self.requests:
+            return self._reject(msg.request_id, "duplicate request id")
+        if len(prompt) >= self.max_len:
+            return self._reject(
+                msg.request_id,
+                f"the prompt has {len(prompt)} tokens but at most {self.max_len - 1} fit "
+                "(context length and KV cache size)",
+            )
+        req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
+                      len(self.config.kv_groups))
+        self._arrivals += 1
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+        return None
+
+    @staticmethod
+    def _reject(request_id: str, why: str) -> TokenDelta:
+        return TokenDelta(request_id, b"", finish_reason=FinishReason.ERROR, error=why)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is not None:
+                self._finish(req, FinishReason.ABORT)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status == Status.RUNNING:
+            self.running.remove(req)
+        elif req.status == Status.WAITING:
+            self.waiting.remove(req)
+        req.status = Status.FINISHED
+        req.finish_reason = reason
+        if reason != FinishReason.ABORT:
+            self.kv.cache_request(req)
+        self.kv.release(req)
+        del self.requests[req.request_id]
+        if req.sent_to_workers:
+            self._finished_for_workers.append(req.request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ the step
+
+    def _preempt(self, req: Request) -> None:
+        """Free a running request's KV and queue it first; it will be recomputed."""
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_computed = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _chunk(self, req: Request, budget: int) -> int:
+        return min(req.total_tokens - req.num_computed, self.config.prefill_chunk_size, budget)
+
+
+    def schedule(self) -> ScheduledStep | None:
+        budget = self.config.max_num_batched_tokens
+        preemptions_before = self.num_preemptions
+        chosen: list[tuple[Request, int]] = []
+        # 1. running requests, oldest first: decodes and unfinished prefill chunks.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            if req.num_pending and req.length_exhausted():
+                i += 1  # its in-flight token is its last: nothing more to compute
+                continue
+            n = self._chunk(req, budget)
+            self.kv.drop_outside_window(req, req.num_computed)
+            need = self.kv.needs(req, req.num_computed + n)
+            while not self.kv.can_allocate(need) and req.status == Status.RUNNING:
+                self._preempt(self.running[-1])  # the newest goes first
+            if req.status != Status.RUNNING:
+                break
+            self.kv.allocate(req, need)
+            chosen.append((req, n))
+            budget -= n
+            i += 1
+        # 2. admit waiting requests while tokens, sequence slots and free blocks allow
+        #    (not in a step that had to preempt: that would only thrash).
+        admit = self.num_preemptions == preemptions_before
+        max_seqs = self.config.max_num_seqs
+        while admit and self.waiting and budget > 0 and len(self.running) < max_seqs:
+            req = self.waiting[0]
+            if req.num_pending:
+                break  # preempted with a token in flight: recompute once it is known
+            self.kv.match_prefix(req)
+            n = self._chunk(req, budget)
+            need = self.kv.needs(req, req.num_computed + n)
+            if not self.kv.can_allocate(need):
+                self.kv.unmatch_prefix(req)  # keep nothing pinned while it waits
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.kv.allocate(req, need)
+            self.running.append(req)
+            chosen.append((req, n))
+            budget -= n
+        if not chosen:
+            return None
+        return self._build_plan(chosen)
+
+    def _build_plan(self, chosen: list[tuple[Request, int]]) -> ScheduledStep:
+        self._step_id += 1
+        step = ScheduledStep(StepPlan(self._step_id, []))
+        for req, n in chosen:
+            if not req.sent_to_workers:
+                step.plan.new_requests.append(
+                    NewRequestInfo(req.request_id, req.prompt_ids.tobytes(), req.params))
+                req.sent_to_workers = True
+            start = req.num_computed
+            if req.num_pending:
+                # Overlap: the input is the token the in-flight step is sampling; the worker
+                # fills it in (empty token_ids is the placeholder).
+                assert n == 1 and start == req.num_tokens
+                token_ids = b""
+            else:
+                token_ids = req.tokens(start, start + n).tobytes()
+            sample = start + n == req.total_tokens
+            seq = ScheduledSeq(req.request_id, token_ids, start,
+                               [pack_ids(t) for t in req.tables], sample,
+                               req.full_kv_from, req.window_from)
+            req.num_computed += n
+            req.num_pending += sample
+            if start < req.num_prompt:
+                self.prompt_tokens_total += min(n, req.num_prompt - start)
+            step.plan.seqs.append(seq)
+            step.scheduled.append((req, seq))
+        swap_out, swap_in = self.kv.take_copies()
+        if swap_out:
+            step.plan.swap_out = pack_ids(swap_out)
+        if swap_in:
+            step.plan.swap_in = pack_ids(swap_in)
+        step.plan.finished = self._finished_for_workers
+        self._finished_for_workers = []
+        return step
+
+    def update(self, step: ScheduledStep, result: StepResult) -> list[TokenDelta]:
+        """Apply sampled tokens; returns one delta per sampled request."""
+        sampled = unpack_ids(result.sampled_ids)
+        deltas: list[TokenDelta] = []
+        k = 0
+        for req, seq in step.scheduled:
+            if not seq.sample:
+                continue
+            token = int(sampled[k])
+            logprobs = result.logprobs[k] if result.logprobs else None
+            k += 1
+            req.num_pending -= 1
+            if req.status == Status.FINISHED:  # aborted, or finished by its previous token
+                continue
+            req.output_ids.append(token)
+            self.generation_tokens_total += 1
+            reason = req.check_finished(self.config.eos_token_ids)
+            deltas.append(TokenDelta(
+                req.request_id, pack_ids([token]), [logprobs] if logprobs else [], reason,
+                req.num_prompt, req.num_cached,
+                num_replayed_tokens=req.num_replayed,
+            ))
+            if reason is not None:
+                self._finish(req, reason)
+        return deltas
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_blocks_total=self.kv.num_total(),
+            # Exact when idle (tests and dashboards wait for it), at most 0.25 s old otherwise.
+            kv_blocks_free=self.kv.num_reusable(max_age=0.25 if self.running else 0.0),
+            kv_blocks_cached=self.kv.cache.num_cached_blocks if self.kv.cache else 0,
+            prefix_cache_queries=self.kv.cache.queries_tokens if self.kv.cache else 0,
+            prefix_cache_hits=self.kv.cache.hits_tokens if self.kv.cache else 0,
+            prefix_cache_evictions=self.kv.cache.evictions if self.kv.cache else 0,
+            replayed_tokens=self.kv.replayed_tokens,
+            host_blocks_used=self.kv.host.num_used if self.kv.host else 0,
+            host_blocks_out=self.kv.host.blocks_out if self.kv.host else 0,
+            host_blocks_in=self.kv.host.blocks_in if self.kv.host else 0,
+            num_preemptions=self.num_preemptions,
+            num_steps=self._step_id,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.generation_tokens_total,
+        )

@@ -1,0 +1,157 @@
+"""The scheduler actor: requests in from the tokenizer, step plans out to the workers.
+
+With overlap scheduling (the default) the loop sends plan N+1 before it reads result N, so
+the workers always have the next step queued while the scheduler applies the previous one;
+step N+1 refers to tokens sampled in step N by placeholder (see ScheduledSeq).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import zmq
+
+from engine.protocol import Abort, StepResult, TokenBatch, TokenizedRequest
+from engine.runtime.ipc import pull, push
+from engine.runtime.process_entry import ChildContext
+from engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+
+log = logging.getLogger("deepinfer.scheduler")
+
+Inbound = TokenizedRequest | Abort | StepResult
+
+
+def build_scheduler(ctx: ChildContext) -> Scheduler:
+    cfg = ctx.config
+    info = cfg.model_info()
+    return Scheduler(SchedulerConfig(
+        num_blocks=cfg.kv_blocks(),
+        block_size=cfg.block_size,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        prefill_chunk_size=cfg.prefill_chunk_size,
+        context_len=cfg.context_len(),
+        eos_token_ids=info.eos_token_ids,
+        kv_groups=tuple(info.kv_groups()),
+        sliding_window=info.sliding_window,
+        prefix_caching=cfg.enable_prefix_caching,
+        swa_replay_tokens=cfg.swa_replay_tokens(),
+        host_blocks=cfg.host_kv_blocks(),
+    ))
+
+
+class SchedulerLoop:
+    def __init__(self, ctx: ChildContext) -> None:
+        self.scheduler = build_scheduler(ctx)
+        self.overlap = ctx.config.overlap_scheduling
+        self.inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
+        self.to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
+        self.to_workers = [push(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
+        self.decode = msgspec.msgpack.Decoder(Inbound).decode
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.pending: list = []  # requests/aborts that arrived while we waited for a result
+        self.results: dict[int, StepResult] = {}
+        self.stats = self.scheduler.stats()
+        self._logged = (time.monotonic(), self.stats)
+
+    def run(self) -> None:
+        in_flight: ScheduledStep | None = None
+        while True:
+            idle = in_flight is None and not self.scheduler.has_work()
+            self._handle(self._drain(block=idle and not self.pending))
+            t0 = time.perf_counter()
+            step = self.scheduler.schedule()
+            self.stats.schedule_seconds += time.perf_counter() - t0
+            if step is not None:
+                payload = self.encode(step.plan)
+                for sock in self.to_workers:
+                    sock.send(payload)
+            if in_flight is None and step is None and self.scheduler.has_work():
+                # Nothing fits and nothing runs: only a new message can change that.
+                self.pending.append(self.decode(self.inbound.recv()))
+            if in_flight is not None:
+                self._finish_step(in_flight)
+            if step is not None and not self.overlap:
+                self._finish_step(step)
+                step = None
+            in_flight = step
+
+    def _drain(self, block: bool) -> list:
+        msgs, self.pending = self.pending, []
+        if block:
+            msgs.append(self.decode(self.inbound.recv()))  # idle: block, never spin
+        while self.inbound.poll(0):
+            msgs.append(self.decode(self.inbound.recv(zmq.NOBLOCK)))
+        return msgs
+
+    def _handle(self, msgs: list) -> None:
+        if not msgs:
+            return
+        errors = []
+        for msg in msgs:
+            if isinstance(msg, TokenizedRequest):
+                err = self.scheduler.add(msg)
+                if err is not None:
+                    errors.append(err)
+            elif isinstance(msg, Abort):
+                self.scheduler.abort(msg.request_ids)
+            else:
+                self.results[msg.step_id] = msg
+        # Always report: rejections, and freed blocks after aborts, show up right away.
+        self.to_tokenizer.send(self.encode(TokenBatch(errors, self._stats())))
+
+    def _finish_step(self, step: ScheduledStep) -> None:
+        t0 = time.perf_counter()
+        result = self._await_result(step.plan.step_id)
+        t1 = time.perf_counter()
+        deltas = self.scheduler.update(step, result)
+        s = self.stats
+        s.wait_seconds += t1 - t0
+        s.update_seconds += time.perf_counter() - t1
+        s.forward_seconds += result.forward_ms / 1e3
+        s.sample_seconds += result.sample_ms / 1e3
+        self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
+        self._log_progress()
+
+    def _log_progress(self, every: float = 10.0) -> None:
+        """A line every `every` seconds of activity: throughput and where step time went."""
+        now, s = time.monotonic(), self.stats
+        then, old = self._logged
+        if now - then < every:
+            return
+        steps = max(1, s.num_steps - old.num_steps)
+        per_step = {name: (getattr(s, f"{name}_seconds") - getattr(old, f"{name}_seconds"))
+                    * 1e3 / steps for name in ("schedule", "update", "forward", "sample")}
+        log.info(
+            "%.1f gen tok/s, %.1f prompt tok/s | running %d waiting %d | KV free %d/%d | "
+            "per step ms: schedule %.2f update %.2f forward %.1f sample %.2f",
+            (s.generation_tokens_total - old.generation_tokens_total) / (now - then),
+            (s.prompt_tokens_total - old.prompt_tokens_total) / (now - then),
+            s.num_running, s.num_waiting, s.kv_blocks_free, s.kv_blocks_total,
+            per_step["schedule"], per_step["update"], per_step["forward"], per_step["sample"])
+        self._logged = (now, msgspec.structs.replace(s))
+
+    def _await_result(self, step_id: int) -> StepResult:
+        while step_id not in self.results:
+            msg = self.decode(self.inbound.recv())
+            if isinstance(msg, StepResult):
+                self.results[msg.step_id] = msg
+            else:
+                self.pending.append(msg)
+        return self.results.pop(step_id)
+
+    def _stats(self):
+        fresh = self.scheduler.stats()
+        for name in ("schedule_seconds", "update_seconds", "wait_seconds", "forward_seconds",
+                     "sample_seconds"):
+            setattr(fresh, name, getattr(self.stats, name))
+        self.stats = fresh
+        return fresh
+
+
+def main(ctx: ChildContext) -> None:
+    loop = SchedulerLoop(ctx)
+    ctx.ready(num_kv_blocks=str(loop.scheduler.allocator.num_blocks))
+    loop.run()

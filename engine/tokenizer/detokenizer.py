@@ -1,0 +1,52 @@
+"""Incremental, UTF-8 safe detokenization and stop-string matching for one request."""
+
+from __future__ import annotations
+
+from tokenizers.decoders import DecodeStream
+
+from engine.tokenizer.tokenizer import Tokenizer
+
+
+class IncrementalDetokenizer:
+    """Turns new token ids into new text; holds back text that may start a stop string.
+
+    A stop string can span tokens, so up to (longest stop - 1) characters stay unsent until
+    the next token shows whether they begin a match. The stop string itself is never emitted.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.text = ""
+        self.sent = 0  # characters of self.text already emitted
+        self.stopped = False
+
+    def add(self, token_ids) -> None:
+        """Feed new tokens; sets `stopped` when a stop string appears (text cut before it)."""
+        for tid in token_ids:
+            if self.stopped:
+                return
+            try:
+                piece = self.stream.step(self.tokenizer.hf, int(tid))
+            except Exception:  # an id past the tokenizer's vocabulary (padded embeddings)
+                continue
+            if not piece:
+                continue
+            search_from = max(0, len(self.text) - self.hold)
+            self.text += piece
+            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i != -1]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+
+    def take(self, final: bool) -> str:
+        """The text not yet emitted that is safe to emit now (everything when final)."""
+        if final or self.stopped:
+            end = len(self.text)
+        else:
+            end = max(self.sent, len(self.text) - self.hold)
+        delta = self.text[self.sent:end]
+        self.sent = end
+        return delta

@@ -1,0 +1,185 @@
+"""The tokenizer actor: requests in (text or chat), token ids out; tokens in, text deltas out.
+
+It keeps the API process thin (no tokenization there) and the scheduler free of strings. Stop
+strings are matched here; a match finishes the request and aborts it in the scheduler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import msgspec
+import zmq
+
+from engine.protocol import (
+    Abort,
+    FinishReason,
+    GenerateRequest,
+    OutputBatch,
+    PositionLogprobs,
+    RequestOutput,
+    TokenBatch,
+    TokenDelta,
+    TokenizedRequest,
+    TokenLogprob,
+    pack_ids,
+    unpack_ids,
+)
+from engine.runtime.ipc import pull, push
+from engine.runtime.process_entry import ChildContext
+from engine.tokenizer.detokenizer import IncrementalDetokenizer
+from engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger("deepinfer.tokenizer")
+
+Inbound = GenerateRequest | Abort | TokenBatch
+
+
+class _Live(msgspec.Struct):
+    detok: IncrementalDetokenizer
+    logprobs: bool
+    prompt_tokens: int
+    completion_tokens: int = 0
+
+
+class TokenizerService:
+    """Pure logic of the actor (no sockets), so tests can drive it directly."""
+
+    def __init__(self, tokenizer: Tokenizer, context_len: int,
+                 model_vocab_size: int | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.context_len = context_len
+        # Ids the model can embed: the smaller of the tokenizer's and the model's vocabulary.
+        self.vocab_limit = min(tokenizer.vocab_size, model_vocab_size or tokenizer.vocab_size)
+        self.live: dict[str, _Live] = {}
+
+    def tokenize(self, req: GenerateRequest) -> tuple[TokenizedRequest | None, RequestOutput]:
+        """Returns the scheduler's request (None when rejected) and the first client output."""
+        try:
+            prompt_text = None
+            if req.messages is not None:
+                if not req.messages:
+                    raise ValueError("messages must not be empty")
+                msgs = [{"role": m.role, "content": m.content} for m in req.messages]
+                prompt_text, ids = self.tokenizer.encode_chat(msgs, req.add_generation_prompt)
+            elif req.prompt_token_ids is not None:
+                ids = unpack_ids(req.prompt_token_ids).tolist()
+                bad = [i for i in ids if not 0 <= i < self.vocab_limit]
+                if bad:
+                    raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
+                prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
+            elif req.prompt is not None:
+                prompt_text = req.prompt
+                ids = self.tokenizer.encode(req.prompt)
+            else:
+                raise ValueError("a prompt, prompt token ids or messages are required")
+            if not ids:
+                raise ValueError("the prompt is empty")
+            if len(ids) >= self.context_len:
+                raise ValueError(
+                    f"the prompt has {len(ids)} tokens; this model's context length is "
+                    f"{self.context_len} tokens, which must also leave room for the output"
+                )
+        except Exception as exc:  # bad input (template, ids, text) must not kill the process
+            if not isinstance(exc, (ValueError, ChatTemplateError)):
+                exc = ValueError(f"could not tokenize the request: {type(exc).__name__}: {exc}")
+            return None, RequestOutput(
+                req.request_id, finish_reason=FinishReason.ERROR, error=str(exc)
+            )
+        p = req.params
+        self.live[req.request_id] = _Live(
+            IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
+            logprobs=p.logprobs is not None,
+            prompt_tokens=len(ids),
+        )
+        first = RequestOutput(req.request_id, prompt_tokens=len(ids), prompt_text=prompt_text)
+        return TokenizedRequest(req.request_id, pack_ids(ids), p), first
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.live.pop(rid, None)
+
+    def detokenize(self, delta: TokenDelta) -> tuple[RequestOutput | None, bool]:
+        """Text for one delta; the bool says the scheduler must abort it (stop string hit)."""
+        live = self.live.get(delta.request_id)
+        if live is None:  # aborted meanwhile
+            return None, False
+        ids = unpack_ids(delta.token_ids)
+        n_before = live.completion_tokens
+        live.detok.add(ids)
+        live.completion_tokens += len(ids)
+        finish = delta.finish_reason
+        stop_hit = live.detok.stopped and finish is None
+        if live.detok.stopped:
+            finish = FinishReason.STOP
+        text = live.detok.take(final=finish is not None)
+        logprobs = []
+        if live.logprobs and delta.logprobs:
+            tt = self.tokenizer.token_text
+            for tid, lp, top_ids, top_lps in delta.logprobs:
+                logprobs.append(PositionLogprobs(
+                    TokenLogprob(tid, tt(tid), lp),
+                    [TokenLogprob(i, tt(i), v) for i, v in zip(top_ids, top_lps)],
+                ))
+        out = RequestOutput(
+            delta.request_id,
+            text=text,
+            token_ids=delta.token_ids,
+            logprobs=logprobs,
+            finish_reason=finish,
+            prompt_tokens=live.prompt_tokens,
+            completion_tokens=n_before + len(ids),
+            cached_tokens=delta.num_cached_tokens,
+            error=delta.error,
+            replayed_tokens=delta.num_replayed_tokens,
+        )
+        if finish is not None:
+            del self.live[delta.request_id]
+        return out, stop_hit
+
+
+def main(ctx: ChildContext) -> None:
+    cfg = ctx.config
+    service = TokenizerService(Tokenizer(cfg.resolved_model_dir()), cfg.context_len(),
+                               cfg.model_info().vocab_size)
+    inbound = pull(ctx.zmq, ctx.endpoints.tokenizer_in)
+    to_client = push(ctx.zmq, ctx.endpoints.client_in)
+    to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in)
+    decode = msgspec.msgpack.Decoder(Inbound).decode
+    encode = msgspec.msgpack.Encoder().encode
+    detokenize_seconds = 0.0
+    ctx.ready(context_len=str(cfg.context_len()), vocab_size=str(service.tokenizer.vocab_size))
+    while True:
+        # Block until something arrives, then drain everything queued and answer once.
+        msgs = [decode(inbound.recv())]
+        while inbound.poll(0):
+            msgs.append(decode(inbound.recv(zmq.NOBLOCK)))
+        outputs: list[RequestOutput] = []
+        stats = None
+        for msg in msgs:
+            if isinstance(msg, GenerateRequest):
+                tokenized, first = service.tokenize(msg)
+                outputs.append(first)
+                if tokenized is not None:
+                    to_scheduler.send(encode(tokenized))
+            elif isinstance(msg, Abort):
+                service.abort(msg.request_ids)
+                to_scheduler.send(encode(msg))
+            else:
+                t0 = time.perf_counter()
+                stats = msg.stats or stats
+                stopped = []
+                for delta in msg.deltas:
+                    out, stop_hit = service.detokenize(delta)
+                    if out is not None:
+                        outputs.append(out)
+                    if stop_hit:
+                        stopped.append(delta.request_id)
+                if stopped:
+                    to_scheduler.send(encode(Abort(stopped)))
+                detokenize_seconds += time.perf_counter() - t0
+        if stats is not None:
+            stats.detokenize_seconds = detokenize_seconds
+        if outputs or stats is not None:
+            to_client.send(encode(OutputBatch(outputs, stats)))

@@ -1,0 +1,132 @@
+"""Serving benchmark: load any OpenAI-compatible server and report latency and throughput.
+
+`deepinfer bench serve ...` and `python scripts/bench_serving.py ...` both land here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from frontend.bench.client import RequestResult, payload, send
+from frontend.bench.datasets import BenchRequest, random_requests, shared_prefix_requests
+from frontend.bench.metrics import format_report, parse_goodput, summarize
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--endpoint", default="/v1/completions",
+                   choices=["/v1/completions", "/v1/chat/completions"])
+    p.add_argument("--model", default=None, help="default: the first model of /v1/models")
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--num-prompts", type=int, default=100)
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=64)
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
+    p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: prefix words")
+    p.add_argument("--request-rate", type=float, default=math.inf,
+                   help="requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--num-warmups", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
+                   help="do not send ignore_eos (for servers that reject it)")
+    p.add_argument("--goodput", nargs="*", default=None, metavar="NAME:MS",
+                   help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--result-file", default=None, help="default: bench-<timestamp>.json")
+    p.add_argument("--disable-tqdm", action="store_true")
+
+
+def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset == "shared-prefix":
+        return shared_prefix_requests(args.num_prompts, args.prefix_len, args.random_input_len,
+                                      args.random_output_len, args.random_range_ratio, args.seed)
+    return random_requests(args.num_prompts, args.random_input_len, args.random_output_len,
+                           args.random_range_ratio, args.seed)
+
+
+async def _first_model(session, base_url: str) -> str:
+    async with session.get(f"{base_url}/v1/models") as resp:
+        resp.raise_for_status()
+        return (await resp.json())["data"][0]["id"]
+
+
+async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
+    import aiohttp
+    from tqdm import tqdm
+
+    base_url = args.base_url.rstrip("/")
+    url = base_url + args.endpoint
+    requests = build_requests(args)
+    timeout = aiohttp.ClientTimeout(total=6 * 3600)
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        model = args.model or await _first_model(session, base_url)
+
+        def body(req: BenchRequest) -> dict[str, Any]:
+            return payload(args.endpoint, model, req, args.temperature, args.ignore_eos)
+
+        for req in requests[: args.num_warmups]:
+            warm = await send(session, url, body(req))
+            if not warm.ok:
+                print(f"warm-up request failed: {warm.error}", file=sys.stderr)
+        limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+        bar = tqdm(total=len(requests), disable=args.disable_tqdm)
+
+        async def one(req: BenchRequest) -> RequestResult:
+            if limit is None:
+                result = await send(session, url, body(req))
+            else:
+                async with limit:
+                    result = await send(session, url, body(req))
+            bar.update(1)
+            return result
+
+        rng = random.Random(args.seed)
+        start = time.perf_counter()
+        tasks = []
+        for req in requests:
+            tasks.append(asyncio.create_task(one(req)))
+            if math.isfinite(args.request_rate) and args.request_rate > 0:
+                await asyncio.sleep(rng.expovariate(args.request_rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    report = summarize(results, duration, parse_goodput(args.goodput))
+    errors = sorted({r.error for r in results if not r.ok})
+    report |= {
+        "model": model, "base_url": base_url, "endpoint": args.endpoint,
+        "dataset": args.dataset, "num_prompts": len(requests),
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "max_concurrency": args.max_concurrency, "errors": errors[:10],
+        "input_lens": [r.prompt_tokens for r in results],
+        "output_lens": [r.output_tokens for r in results],
+        "ttfts": [r.ttft for r in results], "e2els": [r.e2e for r in results],
+    }
+    return report
+
+
+def run(args: argparse.Namespace) -> int:
+    report = asyncio.run(benchmark(args))
+    print(format_report(report))
+    for err in report["errors"]:
+        print(f"error: {err}", file=sys.stderr)
+    path = Path(args.result_file or time.strftime("bench-%Y%m%d-%H%M%S.json"))
+    path.write_text(json.dumps(report, indent=2))
+    print(f"results written to {path}")
+    return 0 if report["completed"] else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))

@@ -1,0 +1,117 @@
+"""The Starlette app: OpenAI routes, health, metrics, version; the engine lives in its lifespan."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from importlib import metadata
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from frontend.server.errors import APIError
+from frontend.server.http_io import SSEResponse
+from frontend.server.openai_responses import ModelCard, ModelList
+from frontend.server.serving_chat import create_chat_completion
+from frontend.server.serving_completion import create_completion
+from frontend.server.state import EngineClient, ServerState
+
+log = logging.getLogger("deepinfer.api")
+
+Handler = Callable[[ServerState, Request], Awaitable[Response | SSEResponse]]
+
+
+def version() -> str:
+    try:
+        return metadata.version("deepinfer")
+    except metadata.PackageNotFoundError:
+        return "0.1.0"
+
+
+def _route(state: ServerState, name: str, handler: Handler):
+    """Wrap a handler: APIError -> OpenAI error body, crash -> 500, count every status."""
+
+    async def endpoint(request: Request) -> Response | SSEResponse:
+        try:
+            response = await handler(state, request)
+        except APIError as exc:
+            response = exc.response()
+        except Exception:
+            log.exception("unhandled error in %s", name)
+            response = APIError("internal server error", 500, type="server_error").response()
+        state.metrics.requests.labels(name, str(response.status_code)).inc()
+        return response
+
+    return endpoint
+
+
+async def _models(state: ServerState, request: Request) -> Response:
+    card = ModelCard(state.model_name, state.created, max_model_len=state.context_len,
+                     root=state.model_name)
+    return Response(msgspec.json.encode(ModelList([card])), media_type="application/json")
+
+
+async def _health(state: ServerState, request: Request) -> Response:
+    if state.healthy:
+        return Response(status_code=200)
+    reason = state.failure or ("starting" if state.client is None else "engine unavailable")
+    return JSONResponse({"status": "unhealthy", "reason": reason}, status_code=503)
+
+
+async def _metrics(state: ServerState, request: Request) -> Response:
+    body, content_type = state.metrics.render()
+    return Response(body, media_type=content_type)
+
+
+async def _version(state: ServerState, request: Request) -> Response:
+    return JSONResponse({"version": version()})
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return APIError(str(exc.detail), exc.status_code, type=kind).response()
+
+
+def build_app(
+    state: ServerState,
+    client_factory: Callable[[], EngineClient],
+    on_failure: Callable[[str], None] | None = None,
+) -> Starlette:
+    """The app; the engine client is made and started at startup, shut down at shutdown."""
+
+    def failed(reason: str) -> None:
+        state.failure = reason
+        log.error("engine failed: %s", reason)
+        if on_failure is not None:
+            on_failure(reason)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        client = client_factory()
+        try:
+            await client.start(on_failure=failed)
+            state.client = client
+            yield
+        finally:
+            log.info("stopping the engine")
+            await client.shutdown()
+
+    routes = [
+        Route("/v1/chat/completions", _route(state, "chat", create_chat_completion),
+              methods=["POST"]),
+        Route("/v1/completions", _route(state, "completions", create_completion),
+              methods=["POST"]),
+        Route("/v1/models", _route(state, "models", _models), methods=["GET"]),
+        Route("/health", _route(state, "health", _health), methods=["GET"]),
+        Route("/metrics", _route(state, "metrics", _metrics), methods=["GET"]),
+        Route("/version", _route(state, "version", _version), methods=["GET"]),
+    ]
+    return Starlette(
+        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
+    )

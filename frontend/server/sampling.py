@@ -1,0 +1,132 @@
+"""Validate OpenAI request fields and turn them into the engine's SamplingParams.
+
+Every rejection is an APIError (400) naming the field, so a client can see what to fix.
+"""
+
+from __future__ import annotations
+
+import math
+
+from engine.protocol import SamplingParams
+from frontend.server.errors import APIError
+from frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
+
+MAX_N = 16
+MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+
+
+def _check(ok: bool, param: str, message: str) -> None:
+    if not ok:
+        raise APIError(message, param=param)
+
+
+def _max_tokens(value: int | None, param: str, default: int, context_len: int) -> int:
+    if value is None:
+        return default
+    _check(value >= 1, param, f"{param} must be at least 1, got {value}")
+    _check(
+        value <= context_len,
+        param,
+        f"{param} is {value}, more than this model's context length ({context_len} tokens)",
+    )
+    return value
+
+
+def _stop(stop: str | list[str] | None) -> list[str]:
+    stops = [stop] if isinstance(stop, str) else list(stop or [])
+    _check(len(stops) <= MAX_STOP_STRINGS, "stop", f"at most {MAX_STOP_STRINGS} stop strings")
+    _check(all(stops), "stop", "stop strings must not be empty")
+    return stops
+
+
+def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    temperature = 1.0 if req.temperature is None else req.temperature
+    _check(
+        math.isfinite(temperature) and temperature >= 0,
+        "temperature",
+        f"temperature must be >= 0, got {temperature}",
+    )
+    top_p = 1.0 if req.top_p is None else req.top_p
+    _check(0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}")
+    top_k = req.top_k or 0
+    _check(top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {top_k}")
+    min_p = req.min_p or 0.0
+    _check(0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}")
+    penalties = (
+        ("frequency_penalty", req.frequency_penalty),
+        ("presence_penalty", req.presence_penalty),
+    )
+    for name, value in penalties:
+        _check(value is None or -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
+    rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
+    _check(rep > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {rep}")
+    _check(not req.logit_bias, "logit_bias", "logit_bias is not supported")
+    stop_ids = list(req.stop_token_ids or [])
+    _check(all(t >= 0 for t in stop_ids), "stop_token_ids", "stop_token_ids must be >= 0")
+    n = 1 if req.n is None else req.n
+    _check(1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {n}")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        min_p=min_p,
+        repetition_penalty=rep,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        seed=req.seed,
+        stop=_stop(req.stop),
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(req.ignore_eos),
+        logprobs=logprobs,
+        skip_special_tokens=req.skip_special_tokens is not False,
+    )
+
+
+def _check_chat_features(req: ChatCompletionRequest) -> None:
+    fmt = (req.response_format or {}).get("type", "text")
+    _check(fmt == "text", "response_format", f"response_format {fmt!r} is not supported yet")
+    forced_tool = req.tool_choice not in (None, "none", "auto")
+    _check(not forced_tool, "tool_choice", "tool calling is not supported")
+    forced_fn = req.function_call not in (None, "none", "auto")
+    _check(not forced_fn, "function_call", "function calling is not supported")
+
+
+def chat_params(req: ChatCompletionRequest, context_len: int) -> SamplingParams:
+    """SamplingParams for a chat request. Without a limit, generation runs to the context end."""
+    _check_chat_features(req)
+    if req.max_completion_tokens is not None:
+        max_tokens = _max_tokens(
+            req.max_completion_tokens, "max_completion_tokens", context_len, context_len
+        )
+    else:
+        max_tokens = _max_tokens(req.max_tokens, "max_tokens", context_len, context_len)
+    logprobs = None
+    if req.top_logprobs is not None:
+        _check(bool(req.logprobs), "top_logprobs", "top_logprobs requires logprobs to be true")
+        _check(
+            0 <= req.top_logprobs <= MAX_LOGPROBS,
+            "top_logprobs",
+            f"top_logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
+    if req.logprobs:
+        logprobs = req.top_logprobs or 0
+    return _common(req, max_tokens, logprobs)
+
+
+def completion_params(req: CompletionRequest, context_len: int) -> SamplingParams:
+    n = 1 if req.n is None else req.n
+    _check(req.best_of in (None, n), "best_of", "best_of other than n is not supported")
+    _check(req.suffix is None, "suffix", "suffix is not supported")
+    max_tokens = _max_tokens(
+        req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, context_len
+    )
+    if req.logprobs is not None:
+        _check(
+            0 <= req.logprobs <= MAX_LOGPROBS,
+            "logprobs",
+            f"logprobs must be between 0 and {MAX_LOGPROBS}",
+        )
+    return _common(req, max_tokens, req.logprobs)

@@ -1,0 +1,85 @@
+"""Run the API server: uvicorn on uvloop, engine started in the app's lifespan.
+
+SIGINT/SIGTERM: uvicorn shuts down gracefully, the lifespan stops the engine, exit code 0.
+Engine failure: the reason is logged, uvicorn is told to exit, exit code 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import sys
+from collections.abc import Iterator
+
+import uvicorn
+
+from engine.config import EngineConfig
+from frontend.server.app import build_app
+from frontend.server.state import ServerState
+
+log = logging.getLogger("deepinfer.server")
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        # uvicorn re-raises a captured SIGINT/SIGTERM after shutdown, which would turn a clean
+        # stop into a KeyboardInterrupt or a death by signal; a handled signal is a clean exit.
+        with super().capture_signals():
+            yield
+            self._captured_signals.clear()
+
+
+def _loop_factory():
+    try:
+        import uvloop
+
+        return uvloop.new_event_loop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on POSIX
+        return asyncio.new_event_loop
+
+
+def serve(
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_pending: int = 256,
+    log_level: str = "info",
+    access_log: bool = False,
+) -> int:
+    """Serve until a signal (exit code 0) or an engine failure (exit code 1)."""
+    from engine.runtime.async_client import AsyncEngineClient
+
+    state = ServerState(max_pending, model_aliases=(config.model,))
+    exit_code = 0
+    server: _Server | None = None
+
+    def on_failure(reason: str) -> None:
+        nonlocal exit_code
+        exit_code = 1
+        log.error("the engine failed (%s); stopping the server", reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(state, lambda: AsyncEngineClient(config), on_failure)
+    uv_config = uvicorn.Config(
+        app, host=host, port=port, loop="uvloop", log_level=log_level, access_log=access_log,
+        timeout_graceful_shutdown=5, lifespan="on",
+    )
+    server = _Server(uv_config)
+
+    async def run() -> None:
+        task = asyncio.create_task(server.serve())
+        while not server.started and not task.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            print(f"DeepInfer serving {state.model_name} at http://{host}:{port}", flush=True)
+        await task
+
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        runner.run(run())
+    if not server.started:
+        print("DeepInfer: the server failed to start (see the log above)", file=sys.stderr)
+        return 1
+    return exit_code

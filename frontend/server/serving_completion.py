@@ -1,0 +1,107 @@
+"""POST /v1/completions (the legacy text completions endpoint)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from engine.protocol import FinishReason, GenerateRequest, SamplingParams, pack_ids
+from frontend.server.errors import APIError
+from frontend.server.generation import Generation, collect, engine_error, seeded
+from frontend.server.http_io import (
+    SSE_DONE,
+    SSEResponse,
+    read_json,
+    run_until_disconnect,
+    sse_event,
+)
+from frontend.server.logprobs import completion_logprobs
+from frontend.server.openai_responses import Completion, CompletionChoice
+from frontend.server.openai_schema import CompletionRequest, decode_completion
+from frontend.server.prompts import completion_prompts
+from frontend.server.sampling import completion_params
+from frontend.server.state import ServerState
+
+_encode = msgspec.json.Encoder().encode
+
+
+def _engine_requests(
+    rid: str, prompts: list[str | list[int]], params: SamplingParams, n: int
+) -> list[GenerateRequest]:
+    """Choice index p * n + j is prompt p's j-th sample."""
+    out = []
+    for p, prompt in enumerate(prompts):
+        for j in range(n):
+            sub, sp = f"{rid}-{p * n + j}", seeded(params, j)
+            if isinstance(prompt, str):
+                out.append(GenerateRequest(sub, sp, prompt=prompt))
+            else:
+                out.append(GenerateRequest(sub, sp, prompt_token_ids=pack_ids(prompt)))
+    return out
+
+
+async def create_completion(state: ServerState, request: Request) -> Response | SSEResponse:
+    req = await read_json(request, decode_completion)
+    state.check_model(req.model)
+    params = completion_params(req, state.context_len)
+    prompts = completion_prompts(req)
+    n = req.n or 1
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    gen = Generation(state, "completions", _engine_requests(rid, prompts, params, n), "prompt")
+    try:
+        firsts = await gen.first_outputs()
+    except BaseException:
+        await gen.close()
+        raise
+    echoes = [(f.prompt_text or "") if req.echo else "" for f in firsts]
+    created = int(time.time())
+    if req.stream:
+        return SSEResponse(_events(gen, req, rid, created, state.model_name, echoes, n))
+    results = await run_until_disconnect(request, collect(gen))
+    if results is None:
+        return Response(status_code=499)
+    choices = []
+    for i, r in enumerate(results):
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = completion_logprobs(r.logprobs, offset=len(echoes[i]))
+        choices.append(CompletionChoice(i, echoes[i] + "".join(r.text), logprobs, r.finish_reason))
+    out = Completion(rid, created, state.model_name, choices, usage=gen.usage(n))
+    return Response(_encode(out), media_type="application/json")
+
+
+async def _events(
+    gen: Generation, req: CompletionRequest, rid: str, created: int, model: str,
+    echoes: list[str], n: int,
+) -> AsyncGenerator[bytes, None]:
+    def chunk(choices: list[CompletionChoice], **kw) -> bytes:
+        return sse_event(_encode(Completion(rid, created, model, choices, **kw)))
+
+    offsets = [len(e) for e in echoes]
+    try:
+        for i, echo in enumerate(echoes):
+            if echo:
+                yield chunk([CompletionChoice(i, echo, None, None)])
+        async for i, out in gen:
+            if out.finish_reason == FinishReason.ERROR:
+                raise engine_error(gen.state, out.error or "request failed", gen.param)
+            if not (out.text or out.logprobs or out.finish_reason is not None):
+                continue
+            logprobs = None
+            if req.logprobs is not None:
+                logprobs = completion_logprobs(out.logprobs, offset=offsets[i])
+            offsets[i] += len(out.text)
+            finish = FinishReason(out.finish_reason).openai() if out.finish_reason else None
+            yield chunk([CompletionChoice(i, out.text, logprobs, finish)])
+        if req.stream_options is not None and req.stream_options.include_usage:
+            yield chunk([], usage=gen.usage(n))
+    except APIError as exc:
+        yield sse_event(_encode(exc.body()))
+    finally:
+        await gen.close()
+    yield SSE_DONE

@@ -1,0 +1,92 @@
+"""What the HTTP handlers share: the engine client, metrics, the admission bound, the model."""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Protocol
+
+from engine.protocol import GenerateRequest, SchedulerStats
+from frontend.server.errors import APIError, server_error
+from frontend.server.metrics import Metrics
+
+
+class EngineClient(Protocol):
+    """What the server uses of `engine.runtime.async_client.AsyncEngineClient` (tests fake it)."""
+
+    model_name: str
+    context_len: int
+    stats: SchedulerStats
+    dead_reason: str | None
+
+    @property
+    def healthy(self) -> bool: ...
+
+    async def start(self, on_failure: Any = None) -> None: ...
+
+    def generate(self, request: GenerateRequest) -> Any: ...  # AsyncIterator[RequestOutput]
+
+    async def shutdown(self) -> None: ...
+
+
+class ServerState:
+    def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = ()) -> None:
+        self.client: EngineClient | None = None
+        self.metrics = Metrics(self)
+        self.max_pending = max_pending
+        self.pending = 0  # engine requests admitted and not yet finished
+        self.model_aliases = model_aliases
+        self.created = int(time.time())
+        self.failure: str | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.client is not None
+
+    @property
+    def engine_dead(self) -> bool:
+        return self.failure is not None or (
+            self.client is not None and self.client.dead_reason is not None
+        )
+
+    @property
+    def healthy(self) -> bool:
+        return self.client is not None and not self.engine_dead and self.client.healthy
+
+    @property
+    def model_name(self) -> str:
+        return self.client.model_name if self.client is not None else ""
+
+    @property
+    def context_len(self) -> int:
+        return self.client.context_len if self.client is not None else 0
+
+    def check_model(self, name: str | None) -> None:
+        if name is None or name == self.model_name or name in self.model_aliases:
+            return
+        raise APIError(
+            f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+            status=404,
+            param="model",
+            code="model_not_found",
+        )
+
+    def admit(self, count: int) -> None:
+        """Take `count` slots of the bounded queue, or raise 503 (retry later)."""
+        if not self.healthy:
+            reason = self.failure or (self.client.dead_reason if self.client else None)
+            raise server_error(f"the engine is not available: {reason or 'starting'}")
+        if self.pending + count > self.max_pending:
+            raise APIError(
+                f"server busy: {self.pending} requests pending (limit {self.max_pending})",
+                status=503,
+                type="server_error",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+        self.pending += count
+        self.metrics.in_flight.inc(count)
+
+    def release(self, count: int) -> None:
+        self.pending -= count
+        self.metrics.in_flight.dec(count)
+

@@ -1,0 +1,77 @@
+"""Incremental detokenization and stop strings with the default model's real tokenizer."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.tokenizer.detokenizer import IncrementalDetokenizer
+from engine.tokenizer.tokenizer import Tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(default_model):
+    return Tokenizer(str(default_model))
+
+
+def stream(tok, text: str, stop: list[str]) -> tuple[list[str], IncrementalDetokenizer]:
+    d = IncrementalDetokenizer(tok, stop, skip_special_tokens=True)
+    pieces = []
+    for tid in tok.encode(text, add_special_tokens=False):
+        d.add([tid])
+        pieces.append(d.take(final=False))
+        if d.stopped:
+            break
+    pieces.append(d.take(final=True))
+    return pieces, d
+
+
+def test_utf8_safe_across_tokens(tok):
+    text = "héllo wörld 日本語 emoji 🎉 done"
+    pieces, _ = stream(tok, text, [])
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+
+
+def test_stop_string_spanning_tokens_is_cut_and_excluded(tok):
+    text = "The answer is forty-two. END OF ANSWER and more words"
+    pieces, d = stream(tok, text, ["END OF ANSWER"])
+    assert d.stopped
+    assert "".join(pieces) == "The answer is forty-two. "
+
+
+def test_earliest_stop_string_wins(tok):
+    pieces, d = stream(tok, "alpha beta gamma delta", ["delta", "beta"])
+    assert d.stopped and "".join(pieces) == "alpha "
+
+
+def test_chat_template_matches_transformers(tok, default_model):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(default_model))
+    msgs = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi!"},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "2+2?"}]
+    text, ids = tok.encode_chat(msgs, add_generation_prompt=True)
+    assert text == hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    ref = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    ref = ref["input_ids"] if isinstance(ref, dict) or hasattr(ref, "keys") else ref
+    assert ids == list(ref)
+
+
+def test_ids_past_the_vocabulary_do_not_break_the_stream(tok):
+    d = IncrementalDetokenizer(tok, [], skip_special_tokens=True)
+    ids = tok.encode("hello world", add_special_tokens=False)
+    d.add([ids[0], tok.vocab_size + 5, *ids[1:]])
+    assert d.take(final=True) == "hello world"
+
+
+def test_a_template_error_is_a_request_error_not_a_crash(default_model):
+    from engine.protocol import ChatMessage, GenerateRequest, SamplingParams
+    from engine.tokenizer.tokenizer_process import TokenizerService
+
+    tok = Tokenizer(str(default_model))  # its own: the template is broken on purpose
+    tok.chat_template = "{{ messages[0].nonexistent.deeper }}"
+    tok._compiled = None
+    service = TokenizerService(tok, 1024)
+    req = GenerateRequest("r", SamplingParams(), messages=[ChatMessage("user", "hi")])
+    tokenized, first = service.tokenize(req)
+    assert tokenized is None and first.error and "tokenize" in first.error

@@ -1,0 +1,165 @@
+"""Attention over the paged KV cache (torch backend: CPU and reference).
+
+A layer's cache is two tensors [num_blocks, block_size, kv_heads, head_dim]. A step writes its
+new K/V at `row_slots` (slot = block * block_size + offset; the rotary op does it, fused with
+the rotation), then attends:
+- all decode rows (one query each) in one batched SDPA call over their block-gathered contexts
+  (gathering whole blocks with one index_select is ~1.5x cheaper than gathering slots);
+- each prefill chunk in its own SDPA call (causal within the chunk, full over earlier tokens).
+Sliding-window layers see keys in (q - W, q] and gather only the blocks that window touches;
+their block tables hold -1 where a block fell out of the window and was freed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu import attention as cpu_attention
+
+
+@dataclass
+class SeqSlice:
+    """One request's part of a step, for one KV group."""
+
+    table: np.ndarray  # block ids (-1: freed, outside a sliding window)
+    start: int  # position of the first token computed in this step
+    num_tokens: int
+    write_from: int = 0  # positions below this already have their K/V in the cache
+    key_from: int = 0  # keys below this were never computed (sliding replay): masked
+
+
+@dataclass
+class PrefillSeq:
+    start: int  # first row of this chunk in the flattened batch
+    end: int
+    blocks: torch.Tensor  # the blocks its keys live in, from `first_key` on
+    first_key: int  # position of the first gathered key (block aligned)
+    ctx_len: int
+    start_pos: int  # position of the chunk's first token
+    fresh: bool  # the chunk is the whole context: attend to this step's K/V directly
+    key_from: int = 0
+
+
+@dataclass
+class AttentionMetadata:
+    row_slots: torch.Tensor  # [T] int64 cache slot of every row's K/V; -1: not written
+    decode_rows: torch.Tensor | None  # [B] rows of single-token (decode) queries
+    decode_blocks: torch.Tensor | None  # [B * MB] padded block tables, flattened
+    prefills: list[PrefillSeq]
+    window: int | None
+    # Visible keys of each decode row, [lo, hi) relative to its first gathered key.
+    decode_lo: torch.Tensor | None = None
+    decode_hi: torch.Tensor | None = None
+
+    def decode_mask(self, num_keys: int) -> torch.Tensor:
+        """[B, 1, 1, num_keys] True where a key is visible (the gather + SDPA fallback)."""
+        keys = torch.arange(num_keys)
+        mask = (keys >= self.decode_lo[:, None]) & (keys < self.decode_hi[:, None])
+        return mask[:, None, None, :]
+
+    @classmethod
+    def build(cls, seqs: list[SeqSlice], block_size: int, window: int | None = None
+              ) -> AttentionMetadata:
+        slot_parts, prefills = [], []
+        dec_rows, dec_tables, dec_first, dec_pos, dec_from = [], [], [], [], []
+        row = 0
+        for s in seqs:
+            pos = np.arange(s.start, s.start + s.num_tokens, dtype=np.int64)
+            slots = s.table[pos // block_size].astype(np.int64) * block_size + pos % block_size
+            slots[pos < s.write_from] = -1  # replay: full layers already hold these
+            slot_parts.append(slots)
+            end = s.start + s.num_tokens
+            first_key = s.key_from if window is None else max(s.key_from, s.start - window + 1)
+            first_block = max(0, first_key) // block_size
+            used = np.maximum(s.table[first_block: -(-end // block_size)], 0).astype(np.int64)
+            if s.num_tokens == 1:
+                dec_rows.append(row)
+                dec_tables.append(used)
+                dec_first.append(first_block * block_size)
+                dec_pos.append(s.start)
+                dec_from.append(s.key_from)
+            else:
+                fresh = s.start == 0 and (window is None or s.num_tokens <= window)
+                prefills.append(PrefillSeq(row, row + s.num_tokens, torch.from_numpy(used),
+                                           first_block * block_size, end, s.start, fresh,
+                                           s.key_from))
+            row += s.num_tokens
+        meta = cls(torch.from_numpy(np.concatenate(slot_parts)), None, None, prefills, window)
+        if dec_rows:
+            width = max(len(t) for t in dec_tables)
+            padded = np.zeros((len(dec_tables), width), dtype=np.int64)
+            for i, t in enumerate(dec_tables):
+                padded[i, : len(t)] = t
+            q_pos = np.asarray(dec_pos)
+            lo = np.maximum(np.asarray(dec_from), 0)
+            if window is not None:
+                lo = np.maximum(lo, q_pos - window + 1)
+            first = np.asarray(dec_first)
+            meta.decode_lo = torch.from_numpy((lo - first).astype(np.int32))
+            meta.decode_hi = torch.from_numpy((q_pos + 1 - first).astype(np.int32))
+            meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64)
+            meta.decode_blocks = torch.from_numpy(padded.reshape(-1))
+        return meta
+
+
+def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:
+    """[B * MB] block ids -> [B, KVH, MB * block_size, D] keys or values."""
+    g = cache.index_select(0, blocks)
+    return g.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already in the cache). Returns [T, H, D]."""
+    gqa = q.shape[1] != k.shape[1]
+    if meta.decode_rows is not None and not meta.prefills:
+        return _decode(q, k_cache, v_cache, meta, scale, gqa)
+    out = torch.empty_like(q)
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, gqa)
+    for p in meta.prefills:
+        qs = q[p.start: p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+        if p.fresh:
+            ks = k[p.start: p.end].transpose(0, 1).unsqueeze(0)
+            vs = v[p.start: p.end].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
+                                               enable_gqa=gqa)
+        else:
+            ctx = p.ctx_len - p.first_key
+            ks = _gather(k_cache, p.blocks, 1)[:, :, :ctx]
+            vs = _gather(v_cache, p.blocks, 1)[:, :, :ctx]
+            q_pos = torch.arange(p.start_pos, p.ctx_len).unsqueeze(1)
+            key_pos = torch.arange(p.first_key, p.ctx_len).unsqueeze(0)
+            mask = (key_pos <= q_pos) & (key_pos >= p.key_from)
+            if meta.window is not None:
+                mask &= key_pos > q_pos - meta.window
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
+                                               enable_gqa=gqa)
+        out[p.start: p.end] = o.squeeze(0).transpose(0, 1)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool):
+    batch = q.shape[0]
+    if cpu_attention.available(q, k_cache):
+        # Native kernel: reads K/V in place, ~2.5x cheaper than gather + SDPA at batch 64.
+        return cpu_attention.paged_decode_attention(
+            q, k_cache, v_cache, meta.decode_blocks.view(batch, -1), meta.decode_lo,
+            meta.decode_hi, scale)
+    kd = _gather(k_cache, meta.decode_blocks, batch)
+    vd = _gather(v_cache, meta.decode_blocks, batch)
+    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd,
+                                       attn_mask=meta.decode_mask(kd.shape[2]),
+                                       scale=scale, enable_gqa=gqa)
+    return o.squeeze(2)
