@@ -21,6 +21,11 @@ FULL = "full"
 SLIDING = "sliding"
 
 
+class ModelConfigError(ValueError):
+    """The model cannot be served as asked (no such directory, no config.json, an unsupported
+    architecture): the user's to fix, reported as one line, never a traceback."""
+
+
 def layer_kinds(cfg: dict) -> list[str]:
     """Per-layer attention kind ("full" or "sliding") from an HF config.
 
