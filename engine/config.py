@@ -138,8 +138,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         return ModelInfo.from_dir(self.resolved_model_dir())
 
     def context_len(self) -> int:
+        """The longest sequence (prompt + output) this engine serves: the model's context, capped
+        by max_model_len and by what the KV cache holds, so a prompt that can never fit is
+        refused up front (a 400) by every process alike."""
         info = self.model_info()
-        return min(self.max_model_len or info.max_position_embeddings, info.max_position_embeddings)
+        model_len = min(self.max_model_len or info.max_position_embeddings,
+                        info.max_position_embeddings)
+        return min(model_len, self.kv_blocks() * self.block_size)
 
     def swa_replay_tokens(self) -> int | None:
         info = self.model_info()

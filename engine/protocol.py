@@ -78,7 +78,11 @@ class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
 
 
 class Abort(msgspec.Struct, tag=True, **_STRUCT):
+    """End requests early. ABORT: the client went away (nothing is kept); STOP: the tokenizer
+    matched a stop string (a normal finish: the request's KV seeds the prefix cache)."""
+
     request_ids: list[str]
+    reason: FinishReason = FinishReason.ABORT
 
 
 class TokenLogprob(msgspec.Struct, **_STRUCT):
@@ -153,16 +157,24 @@ class TokenizedRequest(msgspec.Struct, tag=True, **_STRUCT):
     params: SamplingParams
 
 
+class SampledLogprobs(msgspec.Struct, **_STRUCT):
+    """One sampled position's logprobs as the worker computes them (token ids, no text)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
 class TokenDelta(msgspec.Struct, **_STRUCT):
     request_id: str
     token_ids: bytes
-    # Per new token: (chosen id, chosen logprob, top ids, top logprobs), only when asked for.
-    logprobs: list[tuple[int, float, list[int], list[float]]] = []
+    logprobs: list[SampledLogprobs] = []  # one per new token, only when asked for
     finish_reason: FinishReason | None = None
-    num_prompt_tokens: int = 0
-    num_cached_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (never > prompt_tokens)
     error: str | None = None
-    num_replayed_tokens: int = 0  # recomputed to rebuild sliding windows after a prefix hit
+    replayed_tokens: int = 0  # recomputed to rebuild sliding windows after a prefix hit
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_STRUCT):
@@ -223,7 +235,7 @@ class StepResult(msgspec.Struct, tag=True, **_STRUCT):
 
     step_id: int
     sampled_ids: bytes
-    logprobs: list[tuple[int, float, list[int], list[float]] | None] = []
+    logprobs: list[SampledLogprobs | None] = []  # per sampled seq, when any asked for them
     forward_ms: float = 0.0
     sample_ms: float = 0.0
 

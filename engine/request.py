@@ -18,8 +18,9 @@ class Status(enum.Enum):
 class Request:
     __slots__ = (
         "request_id", "prompt_ids", "output_ids", "params", "num_computed", "tables",
-        "status", "finish_reason", "arrival", "num_cached", "max_len", "sent_to_workers",
-        "num_pending", "cache_node", "window_from", "full_kv_from", "num_replayed",
+        "status", "finish_reason", "arrival", "hit_tokens", "cached_tokens", "max_len",
+        "sent_to_workers", "num_pending", "cache_node", "window_from", "full_kv_from",
+        "replayed_tokens",
     )
 
     def __init__(
@@ -35,11 +36,14 @@ class Request:
         self.cache_node = None  # pinned prefix-cache path (engine.kvcache.radix_cache.RadixNode)
         self.window_from = 0  # sliding-layer keys below this were never computed (replay)
         self.full_kv_from = 0  # full layers already hold K/V below this (prefix hit)
-        self.num_replayed = 0  # tokens recomputed for sliding windows after the last hit
+        self.replayed_tokens = 0  # recomputed for sliding windows after the last hit
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival = arrival
-        self.num_cached = 0  # prompt tokens served from the prefix cache
+        self.hit_tokens = 0  # tokens the current admission found cached (device or host)
+        # Prompt tokens served from the cache, as the client sees it: fixed at the first
+        # admission (a re-admission after preemption may also match its own outputs).
+        self.cached_tokens: int | None = None
         self.max_len = max_len  # prompt + output may not exceed this (context, KV capacity)
         self.sent_to_workers = False
         # Tokens sampled by a step still in flight (overlap scheduling): known to the worker,

@@ -6,6 +6,11 @@ request whose prefix continues past the radix hit looks the next blocks up here 
 back (swap-in) instead of recomputing them. The copies are listed in the next StepPlan and the
 workers run them before the forward pass: swap-outs first, then swap-ins, so a device block
 evicted and reused in the same step is saved before it is overwritten.
+
+Invariant: while a plan is being built, a host block it reads (a swap-in source, pinned from the
+moment lookup() finds it) or writes (a swap-out target) is never handed out again, so one plan
+never writes a host block twice (the workers' indexed copy would keep either write) nor
+overwrites one it still has to read.
 """
 
 from __future__ import annotations
@@ -27,12 +32,11 @@ class HostTier:
         self.block_size = block_size
         self._free = list(range(num_blocks))
         self._index: OrderedDict[bytes, int] = OrderedDict()  # LRU order: oldest first
-        self._pinned: set[int] = set()  # host blocks a swap-in of the plan being built reads
+        self._pinned: set[int] = set()  # host blocks the plan being built reads or writes
         self.swap_out: list[tuple[int, int]] = []  # (device block, host block) for the next plan
         self.swap_in: list[tuple[int, int]] = []  # (host block, device block)
         self.blocks_out = 0
         self.blocks_in = 0
-        self.hit_tokens = 0
 
     @property
     def num_used(self) -> int:
@@ -48,6 +52,7 @@ class HostTier:
         if host is None:
             return
         self._index[key] = host
+        self._pinned.add(host)
         self.swap_out.append((device_block, host))
         self.blocks_out += 1
 
@@ -61,15 +66,21 @@ class HostTier:
         return None
 
     def lookup(self, tokens, start: int, end: int) -> list[int]:
-        """Host blocks holding the block-aligned prefixes of tokens[:start + k*bs] <= end."""
+        """Host blocks holding the block-aligned prefixes of tokens[:start + k*bs] <= end.
+
+        They are pinned for the plan being built: evictions that follow (to make device room
+        for the swap-in) must not recycle them.
+        """
         found = []
         bs = self.block_size
         pos = start + bs
         while pos <= end:
-            host = self._index.get(prefix_digest(tokens[:pos]))
+            key = prefix_digest(tokens[:pos])
+            host = self._index.get(key)
             if host is None:
                 break
-            self._index.move_to_end(prefix_digest(tokens[:pos]))
+            self._index.move_to_end(key)
+            self._pinned.add(host)
             found.append(host)
             pos += bs
         return found
@@ -77,15 +88,16 @@ class HostTier:
     def plan_swap_in(self, host_block: int, device_block: int) -> None:
         self._pinned.add(host_block)
         self.swap_in.append((host_block, device_block))
-        self.blocks_in += 1
 
     def cancel_swap_in(self, device_blocks: list[int]) -> None:
         drop = set(device_blocks)
         self.swap_in = [(h, d) for h, d in self.swap_in if d not in drop]
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The copies for the plan being sent; pins end with it."""
+        """The copies for the plan being sent; pins end with it. Swap-ins count as hits only
+        here: one planned for a request that then had to wait was cancelled."""
         out, into = self.swap_out, self.swap_in
+        self.blocks_in += len(into)
         self.swap_out, self.swap_in = [], []
         self._pinned.clear()
         return out, into

@@ -123,7 +123,7 @@ class KVManager:
 
     def match_prefix(self, req: Request) -> None:
         """On admission: reuse the longest cached prefix and set where computing starts."""
-        req.num_cached = req.full_kv_from = req.window_from = req.num_replayed = 0
+        req.hit_tokens = req.full_kv_from = req.window_from = req.replayed_tokens = 0
         if self.cache is None or req.num_computed:
             return
         # At least one token is computed: its logits give the next token.
@@ -135,7 +135,7 @@ class KVManager:
         req.tables[self.full] = list(match.blocks)
         if self.host is not None:
             hit += self._swap_in(req, tokens, hit)
-        req.num_cached = hit
+        req.hit_tokens = hit
         start = hit
         if self.sliding is not None and hit:
             # SWA bounded replay: recompute [R, H) so sliding layers have their window.
@@ -143,14 +143,14 @@ class KVManager:
             req.tables[self.sliding] = [-1] * (replay_from // self.block_size)
             req.window_from = replay_from
             self.replayed_tokens += hit - replay_from
-            req.num_replayed = hit - replay_from
+            req.replayed_tokens = hit - replay_from
             start = replay_from
         req.full_kv_from = hit
         req.num_computed = start
 
     def _swap_in(self, req: Request, tokens, hit: int) -> int:
         """Continue a radix hit from the host tier; returns the extra cached tokens."""
-        found = self.host.lookup(tokens, hit, req.num_tokens - 1)
+        found = self.host.lookup(tokens, hit, req.num_tokens - 1)  # pinned from here on
         allocator = self.allocators[self.full]
         short = len(found) - allocator.num_free
         if short > 0:
@@ -162,7 +162,6 @@ class KVManager:
         for h, d in zip(found, device):
             self.host.plan_swap_in(h, d)
         req.tables[self.full] += device
-        self.host.hit_tokens += len(found) * self.block_size
         self.cache.hits_tokens += len(found) * self.block_size
         return len(found) * self.block_size
 
@@ -175,12 +174,12 @@ class KVManager:
         if self.host is not None and self.full is not None:
             self.host.cancel_swap_in(req.tables[self.full])
         if self.cache is not None and req.cache_node is not None:
-            self.cache.hits_tokens -= req.num_cached  # it will be looked up again
+            self.cache.hits_tokens -= req.hit_tokens  # it will be looked up again
             self.cache.queries_tokens -= req.num_tokens
-            self.replayed_tokens -= req.num_replayed
+            self.replayed_tokens -= req.replayed_tokens
         self.release(req)
-        req.num_computed = req.num_cached = req.full_kv_from = req.window_from = 0
-        req.num_replayed = 0
+        req.num_computed = req.hit_tokens = req.full_kv_from = req.window_from = 0
+        req.replayed_tokens = 0
 
     def cache_request(self, req: Request) -> None:
         """Offer the request's computed full blocks to the prefix cache."""

@@ -91,11 +91,13 @@ class Scheduler:
     def _reject(request_id: str, why: str) -> TokenDelta:
         return TokenDelta(request_id, b"", finish_reason=FinishReason.ERROR, error=why)
 
-    def abort(self, request_ids: list[str]) -> None:
+    def abort(self, request_ids: list[str], reason: FinishReason = FinishReason.ABORT) -> None:
+        """End requests early: ABORT (client gone: nothing is cached) or STOP (a stop string
+        matched in the tokenizer: the request finished normally and seeds the prefix cache)."""
         for rid in request_ids:
             req = self.requests.get(rid)
             if req is not None:
-                self._finish(req, FinishReason.ABORT)
+                self._finish(req, reason)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.status == Status.RUNNING:
@@ -117,8 +119,10 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
 
     def _preempt(self, req: Request) -> None:
-        """Free a running request's KV and queue it first; it will be recomputed."""
+        """Free a running request's KV and queue it first; it will be recomputed, from the
+        prefix cache as far as its blocks are still there."""
         self.running.remove(req)
+        self.kv.cache_request(req)
         self.kv.release(req)
         req.num_computed = 0
         req.status = Status.WAITING
@@ -166,6 +170,8 @@ class Scheduler:
                 self.kv.unmatch_prefix(req)  # keep nothing pinned while it waits
                 break
             self.waiting.popleft()
+            if req.cached_tokens is None:
+                req.cached_tokens = min(req.hit_tokens, req.num_prompt)
             req.status = Status.RUNNING
             self.kv.allocate(req, need)
             self.running.append(req)
@@ -229,8 +235,8 @@ class Scheduler:
             reason = req.check_finished(self.config.eos_token_ids)
             deltas.append(TokenDelta(
                 req.request_id, pack_ids([token]), [logprobs] if logprobs else [], reason,
-                req.num_prompt, req.num_cached,
-                num_replayed_tokens=req.num_replayed,
+                prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0,
+                replayed_tokens=req.replayed_tokens,
             ))
             if reason is not None:
                 self._finish(req, reason)

@@ -96,7 +96,7 @@ class SchedulerLoop:
                 if err is not None:
                     errors.append(err)
             elif isinstance(msg, Abort):
-                self.scheduler.abort(msg.request_ids)
+                self.scheduler.abort(msg.request_ids, msg.reason)
             else:
                 self.results[msg.step_id] = msg
         # Always report: rejections, and freed blocks after aborts, show up right away.

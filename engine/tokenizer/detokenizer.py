@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from tokenizers.decoders import DecodeStream
 
 from engine.tokenizer.tokenizer import Tokenizer
@@ -12,11 +14,20 @@ class IncrementalDetokenizer:
 
     A stop string can span tokens, so up to (longest stop - 1) characters stay unsent until
     the next token shows whether they begin a match. The stop string itself is never emitted.
+
+    The stream is primed with the prompt's last tokens (their text is not emitted): decoders
+    such as SentencePiece's Metaspace drop the leading space of a sequence's first token, which
+    would turn "... is" + " Paris" into "... isParis" and hide a stop string starting with a
+    space.
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool) -> None:
+    PRIME_TOKENS = 6  # enough context for a word boundary and a split UTF-8 character
+
+    def __init__(self, tokenizer: Tokenizer, stop: list[str], skip_special_tokens: bool,
+                 prompt_ids: Sequence[int] = ()) -> None:
         self.tokenizer = tokenizer
-        self.stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        prime = [int(t) for t in prompt_ids[-self.PRIME_TOKENS:]]
+        self.stream = DecodeStream(ids=prime or None, skip_special_tokens=skip_special_tokens)
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1
         self.text = ""

@@ -78,8 +78,9 @@ class TokenizerService:
                 raise ValueError("the prompt is empty")
             if len(ids) >= self.context_len:
                 raise ValueError(
-                    f"the prompt has {len(ids)} tokens; this model's context length is "
-                    f"{self.context_len} tokens, which must also leave room for the output"
+                    f"the prompt has {len(ids)} tokens; this server's context length (the "
+                    f"model's, capped by its KV cache) is {self.context_len} tokens, which must "
+                    "also leave room for the output"
                 )
         except Exception as exc:  # bad input (template, ids, text) must not kill the process
             if not isinstance(exc, (ValueError, ChatTemplateError)):
@@ -89,7 +90,7 @@ class TokenizerService:
             )
         p = req.params
         self.live[req.request_id] = _Live(
-            IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens),
+            IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, ids),
             logprobs=p.logprobs is not None,
             prompt_tokens=len(ids),
         )
@@ -117,10 +118,10 @@ class TokenizerService:
         logprobs = []
         if live.logprobs and delta.logprobs:
             tt = self.tokenizer.token_text
-            for tid, lp, top_ids, top_lps in delta.logprobs:
+            for lp in delta.logprobs:
                 logprobs.append(PositionLogprobs(
-                    TokenLogprob(tid, tt(tid), lp),
-                    [TokenLogprob(i, tt(i), v) for i, v in zip(top_ids, top_lps)],
+                    TokenLogprob(lp.token_id, tt(lp.token_id), lp.logprob),
+                    [TokenLogprob(i, tt(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)],
                 ))
         out = RequestOutput(
             delta.request_id,
@@ -130,9 +131,9 @@ class TokenizerService:
             finish_reason=finish,
             prompt_tokens=live.prompt_tokens,
             completion_tokens=n_before + len(ids),
-            cached_tokens=delta.num_cached_tokens,
+            cached_tokens=delta.cached_tokens,
             error=delta.error,
-            replayed_tokens=delta.num_replayed_tokens,
+            replayed_tokens=delta.replayed_tokens,
         )
         if finish is not None:
             del self.live[delta.request_id]
@@ -176,8 +177,8 @@ def main(ctx: ChildContext) -> None:
                         outputs.append(out)
                     if stop_hit:
                         stopped.append(delta.request_id)
-                if stopped:
-                    to_scheduler.send(encode(Abort(stopped)))
+                if stopped:  # a normal finish for the scheduler: its KV is worth caching
+                    to_scheduler.send(encode(Abort(stopped, FinishReason.STOP)))
                 detokenize_seconds += time.perf_counter() - t0
         if stats is not None:
             stats.detokenize_seconds = detokenize_seconds

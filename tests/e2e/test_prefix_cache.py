@@ -7,6 +7,7 @@ sliding_layers * W tokens with swa_replay="exact" (identical to a cold run).
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -79,7 +80,6 @@ def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
                for x, y in zip(out.logprobs, ref.logprobs)) < 1e-4
 
 
-
 def test_host_tier_brings_evicted_blocks_back(tiny_model_dir):
     rng = np.random.default_rng(5)
     a, b, c = (rng.integers(3, 40000, 60).tolist() for _ in range(3))
@@ -97,3 +97,37 @@ def test_host_tier_brings_evicted_blocks_back(tiny_model_dir):
     assert again.token_ids == first.token_ids
     assert max(abs(x.chosen.logprob - y.chosen.logprob)
                for x, y in zip(again.logprobs, first.logprobs)) < 1e-4
+
+
+def test_host_hit_restores_its_own_blocks_under_pressure(tiny_model_dir):
+    """4 device blocks and 2 host blocks: B's prefill evicts A's blocks to the host tier and
+    then must not recycle them while A's swap-in is being planned."""
+    rng = np.random.default_rng(9)
+    a, b = rng.integers(3, 40000, 9).tolist(), rng.integers(3, 40000, 13).tolist()
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    block_bytes = 2 * 3 * 2 * 16 * 4 * 4  # K and V, 3 layers, 2 KV heads, dim 16, 4 tokens
+    with LLM(str(tiny_model_dir), num_kv_blocks=4, block_size=4,
+             host_kv_cache_gb=2.5 * block_bytes / 2**30) as llm:
+        llm.generate([a], SamplingParams(max_tokens=1, temperature=0.0))
+        llm.generate([b], SamplingParams(max_tokens=1, temperature=0.0))
+        again = llm.generate([a], params)[0]
+        stats = llm.stats()
+    assert stats.host_blocks_in > 0 and again.cached_tokens > 0
+    with LLM(str(tiny_model_dir), num_kv_blocks=200, block_size=4,
+             enable_prefix_caching=False) as llm:
+        assert again.token_ids == llm.generate([a], params)[0].token_ids
+
+
+def test_a_stop_string_finish_seeds_the_prefix_cache(tiny_model_dir):
+    prompt = np.random.default_rng(11).integers(3, 40000, 40).tolist()
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    with LLM(str(tiny_model_dir), num_kv_blocks=200, block_size=4,
+             enable_prefix_caching=False) as llm:
+        text = llm.generate([prompt], params)[0].text
+    stop = text[len(text) // 2:][:3]
+    assert stop.strip()
+    with LLM(str(tiny_model_dir), num_kv_blocks=200, block_size=4) as llm:
+        stopped = llm.generate([prompt], msgspec.structs.replace(params, stop=[stop]))[0]
+        again = llm.generate([prompt], params)[0]
+    assert stopped.finish_reason == "stop" and stop not in stopped.text
+    assert again.cached_tokens == 36  # whole blocks of its prompt (one token left to compute)

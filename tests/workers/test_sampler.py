@@ -84,6 +84,6 @@ def test_logprobs_are_of_the_raw_distribution():
     logits = torch.tensor([[1.0, 2.0, 3.0, 0.0]])
     tokens, lps = Sampler(0)(logits, [state(temperature=0.0, logprobs=2)])
     ref = logits.log_softmax(-1)[0]
-    tok, lp, top_ids, top_lps = lps[0]
-    assert tok == 2 and abs(lp - ref[2].item()) < 1e-6
-    assert top_ids == [2, 1] and torch.allclose(torch.tensor(top_lps), ref[[2, 1]])
+    lp = lps[0]
+    assert lp.token_id == 2 and abs(lp.logprob - ref[2].item()) < 1e-6
+    assert lp.top_ids == [2, 1] and torch.allclose(torch.tensor(lp.top_logprobs), ref[[2, 1]])

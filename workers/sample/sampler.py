@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.protocol import SamplingParams
+from engine.protocol import SampledLogprobs, SamplingParams
 
 
 @dataclass
@@ -38,9 +38,6 @@ class SamplingState:
         return p.repetition_penalty != 1.0 or p.frequency_penalty != 0 or p.presence_penalty != 0
 
 
-LogprobEntry = tuple[int, float, list[int], list[float]]
-
-
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self.generator = torch.Generator()
@@ -48,7 +45,7 @@ class Sampler:
 
     def __call__(
         self, logits: torch.Tensor, states: list[SamplingState]
-    ) -> tuple[torch.Tensor, list[LogprobEntry | None]]:
+    ) -> tuple[torch.Tensor, list[SampledLogprobs | None]]:
         """logits: [S, V] float32, one row per state. Returns token ids [S] and logprobs."""
         raw = logits
         if any(s.needs_penalties for s in states):
@@ -123,12 +120,12 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, states) -> list[LogprobEntry | None]:
+def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, states) -> list[SampledLogprobs | None]:
     wanted = [s.params.logprobs for s in states]
     if all(w is None for w in wanted):
         return []
     logp = raw.log_softmax(dim=-1)
-    out: list[LogprobEntry | None] = []
+    out: list[SampledLogprobs | None] = []
     for i, k in enumerate(wanted):
         if k is None:
             out.append(None)
@@ -138,5 +135,5 @@ def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, states) -> list[LogprobEn
         if k > 0:
             vals, ids = logp[i].topk(k)
             top_ids, top_vals = ids.tolist(), vals.tolist()
-        out.append((tok, float(logp[i, tok]), top_ids, top_vals))
+        out.append(SampledLogprobs(tok, float(logp[i, tok]), top_ids, top_vals))
     return out

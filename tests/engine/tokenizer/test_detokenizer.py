@@ -75,3 +75,37 @@ def test_a_template_error_is_a_request_error_not_a_crash(default_model):
     req = GenerateRequest("r", SamplingParams(), messages=[ChatMessage("user", "hi")])
     tokenized, first = service.tokenize(req)
     assert tokenized is None and first.error and "tokenize" in first.error
+
+
+@pytest.fixture(scope="module")
+def sentencepiece_dir(tmp_path_factory):
+    """A small Llama-2/Mistral-style tokenizer: Metaspace pre-tokenizer and decoder, which drop
+    the leading space of a sequence's first token."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    hf = HFTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    hf.decoder = decoders.Sequence([decoders.Metaspace(replacement="▁", prepend_scheme="first"),
+                                    decoders.ByteFallback(), decoders.Fuse()])
+    corpus = ["The capital of France is Paris.", "Paris is a city in France."] * 50
+    hf.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"]))
+    out = tmp_path_factory.mktemp("sentencepiece")
+    hf.save(str(out / "tokenizer.json"))
+    return out
+
+
+def test_sentencepiece_completion_keeps_its_leading_space(sentencepiece_dir):
+    from engine.protocol import GenerateRequest, SamplingParams, TokenDelta, pack_ids
+    from engine.tokenizer.tokenizer_process import TokenizerService
+
+    tok = Tokenizer(str(sentencepiece_dir))
+    prompt = "The capital of France is"
+    completion = tok.encode("The capital of France is Paris.")[len(tok.encode(prompt)):]
+    for stop, expected in (([], " Paris."), ([" Paris"], "")):
+        service = TokenizerService(tok, 1024)
+        service.tokenize(GenerateRequest("r", SamplingParams(stop=stop), prompt=prompt))
+        out, stop_hit = service.detokenize(TokenDelta("r", pack_ids(completion)))
+        assert out.text == expected
+        assert stop_hit == bool(stop)
