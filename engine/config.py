@@ -1,98 +1,24 @@
 """Engine configuration: one msgspec Struct shared by every process.
 
 The scheduler and the workers derive the same number of KV blocks from it (see `num_kv_blocks`),
-so no process has to ask another how big the cache is.
+so no process has to ask another how big the cache is. The model's own config is the typed
+ModelConfig of engine/model_config.py.
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import msgspec
 
 from engine import envs
+from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
+
+__all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
+           "DEFAULT_MODEL_NAME"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-FULL = "full"
-SLIDING = "sliding"
-
-
-class ModelConfigError(ValueError):
-    """The model cannot be served as asked (no such directory, no config.json, an unsupported
-    architecture): the user's to fix, reported as one line, never a traceback."""
-
-
-def layer_kinds(cfg: dict) -> list[str]:
-    """Per-layer attention kind ("full" or "sliding") from an HF config.
-
-    `layer_types` (Qwen3, GPT-OSS, Gemma 3 style) wins; otherwise a `sliding_window` applies to
-    every layer (Mistral), unless `use_sliding_window` is false (Qwen2/Qwen3 defaults).
-    """
-    n = cfg["num_hidden_layers"]
-    if cfg.get("layer_types"):
-        return [SLIDING if "sliding" in t else FULL for t in cfg["layer_types"]]
-    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
-        return [SLIDING] * n
-    return [FULL] * n
-
-
-class ModelInfo(msgspec.Struct, frozen=True):
-    """What the engine needs to know about a checkpoint without importing torch."""
-
-    architecture: str
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    vocab_size: int
-    max_position_embeddings: int
-    eos_token_ids: tuple[int, ...]
-    layer_kinds: tuple[str, ...] = ()
-    sliding_window: int | None = None
-
-    def kv_groups(self) -> list[str]:
-        """KV cache groups in a fixed order: full layers first, then sliding layers.
-
-        Each group has its own block pool and its own block table per request: sliding layers
-        only keep the blocks inside their window.
-        """
-        kinds = self.layer_kinds or (FULL,) * self.num_layers
-        return [k for k in (FULL, SLIDING) if k in kinds]
-
-    def layer_group(self, layer: int) -> int:
-        kinds = self.layer_kinds or (FULL,) * self.num_layers
-        return self.kv_groups().index(kinds[layer])
-
-    def layers_in_group(self, group: int) -> int:
-        kinds = self.layer_kinds or (FULL,) * self.num_layers
-        return sum(1 for k in kinds if k == self.kv_groups()[group])
-
-    @classmethod
-    def from_dir(cls, model_dir: str) -> ModelInfo:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-        cfg = cfg.get("text_config", cfg)
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        eos = cfg.get("eos_token_id")
-        gen_path = Path(model_dir) / "generation_config.json"
-        if gen_path.exists():
-            eos = json.loads(gen_path.read_text()).get("eos_token_id", eos)
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        kinds = tuple(layer_kinds(cfg))
-        return cls(
-            architecture=(cfg.get("architectures") or ["LlamaForCausalLM"])[0],
-            num_layers=cfg["num_hidden_layers"],
-            num_kv_heads=cfg.get("num_key_value_heads", heads),
-            head_dim=head_dim,
-            vocab_size=cfg["vocab_size"],
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            eos_token_ids=eos_ids,
-            layer_kinds=kinds,
-            sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
-        )
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -121,6 +47,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     overlap_scheduling: bool = True
     seed: int = 0
     worker_threads: int | None = None
+    # Copies of each linear weight on CPU: both (fastest at every batch size, 2x memory),
+    # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while
+    # the second copy costs at most an eighth of RAM).
+    cpu_linear_weights: str = "auto"
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):
@@ -134,41 +64,42 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return DEFAULT_MODEL_NAME
         return Path(self.model).name
 
-    def model_info(self) -> ModelInfo:
-        return ModelInfo.from_dir(self.resolved_model_dir())
+    def model_config(self) -> ModelConfig:
+        """The model's config (parsed once per process); ModelConfigError if unusable."""
+        return ModelConfig.from_dir(self.resolved_model_dir())
 
     def context_len(self) -> int:
         """The longest sequence (prompt + output) this engine serves: the model's context, capped
         by max_model_len and by what the KV cache holds, so a prompt that can never fit is
         refused up front (a 400) by every process alike."""
-        info = self.model_info()
-        model_len = min(self.max_model_len or info.max_position_embeddings,
-                        info.max_position_embeddings)
+        model = self.model_config()
+        model_len = min(self.max_model_len or model.max_position_embeddings,
+                        model.max_position_embeddings)
         return min(model_len, self.kv_blocks() * self.block_size)
 
     def swa_replay_tokens(self) -> int | None:
-        info = self.model_info()
-        if info.sliding_window is None:
+        model = self.model_config()
+        if model.sliding_window is None:
             return None
         if self.swa_replay == "exact":
-            return info.layers_in_group(info.kv_groups().index(SLIDING)) * info.sliding_window
+            return model.layers_in_group(model.kv_groups().index(SLIDING)) * model.sliding_window
         if self.swa_replay != "window":
             raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
-        return info.sliding_window
+        return model.sliding_window
 
     def kv_bytes_per_block(self, num_layers: int | None = None) -> int:
         """Bytes of K and V for one block of `num_layers` layers (default: all of them)."""
-        info = self.model_info()
-        layers = info.num_layers if num_layers is None else num_layers
-        per_token = 2 * layers * info.num_kv_heads * info.head_dim
+        model = self.model_config()
+        layers = model.num_layers if num_layers is None else num_layers
+        per_token = 2 * layers * model.num_kv_heads * model.head_dim
         return per_token * self.block_size * _DTYPE_BYTES[self.dtype]
 
     def host_kv_blocks(self) -> int:
         """Host-tier blocks: they hold full-attention layers only."""
         if self.host_kv_cache_gb <= 0:
             return 0
-        info = self.model_info()
-        full_layers = info.layers_in_group(0) if info.kv_groups()[0] == FULL else 0
+        model = self.model_config()
+        full_layers = model.layers_in_group(0) if model.kv_groups()[0] == FULL else 0
         if not full_layers:
             return 0
         return max(1, int(self.host_kv_cache_gb * (1 << 30))

@@ -203,7 +203,7 @@ class ScheduledSeq(msgspec.Struct, **_STRUCT):
     request_id: str
     token_ids: bytes
     start_pos: int
-    # One block table per KV group (ModelInfo.kv_groups order); -1 marks a block freed
+    # One block table per KV group (ModelConfig.kv_groups order); -1 marks a block freed
     # because it fell out of a sliding window.
     block_tables: list[bytes]
     sample: bool
@@ -253,9 +253,9 @@ class ProcessFailed(msgspec.Struct, tag=True, **_STRUCT):
     error: str
 
 
-ClientToTokenizer = GenerateRequest | Abort
-TokenizerToScheduler = TokenizedRequest | Abort
-SchedulerToTokenizer = TokenBatch
-SchedulerToWorker = StepPlan | Shutdown
-ControlMessage = ProcessReady | ProcessFailed
+# What each process's one inbound socket carries.
+TokenizerInbound = GenerateRequest | Abort | TokenBatch  # from the client and the scheduler
+SchedulerInbound = TokenizedRequest | Abort | StepResult  # from the tokenizer and worker rank 0
+WorkerInbound = StepPlan | Shutdown  # from the scheduler
+ControlMessage = ProcessReady | ProcessFailed  # children -> launcher
 

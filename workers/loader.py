@@ -2,34 +2,39 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from workers.layers.linear import MergedLinear
+from engine.model_config import ModelConfig
+from workers.attention import AttentionBackend, select_backend
+from workers.layers.linear import Linear, MergedLinear, resolve_weight_copies
 from workers.models import model_class
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def load_config(model_dir: str) -> dict:
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    return cfg.get("text_config", cfg) | {"architectures": cfg.get("architectures")}
-
-
-def load_model(model_dir: str, dtype: str = "float32") -> nn.Module:
-    cfg = load_config(model_dir)
-    cls = model_class((cfg.get("architectures") or ["LlamaForCausalLM"])[0])
+def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "auto",
+               attention: AttentionBackend | None = None) -> nn.Module:
+    """The model with its weights, ready to run: packed, fused paths chosen. `weight_copies`:
+    which copies of each linear weight to keep on CPU (workers/layers/linear.py)."""
+    cfg = ModelConfig.from_dir(model_dir)
+    cls = model_class(cfg.architecture)
+    torch_dtype = DTYPES[dtype]
     with torch.device("cpu"):
-        model = cls(cfg)
+        model = cls(cfg, attention or select_backend("cpu", torch_dtype))
     load_weights(model, model_dir)
-    model.to(DTYPES[dtype])
+    model.to(torch_dtype)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    copies = resolve_weight_copies(weight_copies, sum(
+        m.weight.numel() * m.weight.element_size() for m in linears))
     # Weights final: packing and hot-path choices, each module after the ones inside it.
     for module in reversed(list(model.modules())):
-        if hasattr(module, "finalize"):
+        if isinstance(module, Linear):
+            module.finalize(copies)
+        elif hasattr(module, "finalize"):
             module.finalize()
     return model.eval()
 

@@ -9,8 +9,7 @@ import torch
 
 from engine.config import SLIDING, EngineConfig
 from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
-from kernels.cpu import attention as cpu_attention
-from workers.attention.paged import AttentionMetadata, SeqSlice
+from workers.attention import SeqSlice, select_backend
 from workers.loader import DTYPES, load_model
 from workers.sample.sampler import Sampler, SamplingState
 
@@ -18,13 +17,16 @@ from workers.sample.sampler import Sampler, SamplingState
 class ModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.model = load_model(config.resolved_model_dir(), config.dtype)
-        info = config.model_info()
+        dtype = DTYPES[config.dtype]
+        # Chosen now, so the native kernel builds (or loads) at start, not in the first step.
+        self.attention = select_backend("cpu", dtype)
+        self.model = load_model(config.resolved_model_dir(), config.dtype,
+                                config.cpu_linear_weights, self.attention)
+        info = config.model_config()
         self.groups = info.kv_groups()
         self.windows = [info.sliding_window if g == SLIDING else None for g in self.groups]
         self.block_size = config.block_size
         self.num_blocks = config.kv_blocks()
-        dtype = DTYPES[config.dtype]
         shape = (self.num_blocks, self.block_size, info.num_kv_heads, info.head_dim)
         # One (K, V) pair per layer; a slot is block * block_size + offset.
         self.kv_caches = [
@@ -41,8 +43,6 @@ class ModelRunner:
             for i in (self.full_layers if host_blocks else [])
         }
         self.sampler = Sampler(config.seed)
-        # Build (or load) the native decode-attention kernel now, not in the first step.
-        cpu_attention.available(self.kv_caches[0][0])
         self.states: dict[str, SamplingState] = {}
 
     def _copy_blocks(self, plan: StepPlan) -> None:
@@ -89,7 +89,7 @@ class ModelRunner:
                 sample_states.append(self.states[seq.request_id])
         input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
         pos = torch.from_numpy(np.concatenate(positions))
-        metas = [AttentionMetadata.build(sl, self.block_size, w)
+        metas = [self.attention.build_metadata(sl, self.block_size, w)
                  for sl, w in zip(slices, self.windows)]
         return self.model(input_ids, pos, self.kv_caches, metas), sample_rows, sample_states
 

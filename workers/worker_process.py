@@ -13,7 +13,7 @@ import msgspec
 import torch
 
 from engine import envs
-from engine.protocol import SchedulerToWorker, Shutdown
+from engine.protocol import Shutdown, WorkerInbound
 from engine.runtime.ipc import pull, push
 from engine.runtime.process_entry import ChildContext
 
@@ -35,7 +35,7 @@ def main(ctx: ChildContext) -> None:
     runner = ModelRunner(ctx.config)
     inbound = pull(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
-    decode = msgspec.msgpack.Decoder(SchedulerToWorker).decode
+    decode = msgspec.msgpack.Decoder(WorkerInbound).decode
     encode = msgspec.msgpack.Encoder().encode
     log.info("rank %d ready: %d KV blocks, %d threads", ctx.rank, runner.num_blocks,
              torch.get_num_threads())

@@ -1,6 +1,6 @@
 """KV blocks of every request, per KV group, with the prefix cache on the full-attention group.
 
-Groups (ModelInfo.kv_groups): full-attention layers keep every block of a request; sliding-window
+Groups (ModelConfig.kv_groups): full-attention layers keep every block of a request; sliding-window
 layers keep only the blocks their window can still see, so their memory per request is bounded
 by the window W, not by the sequence length. Each group has its own allocator and a request has
 one block table per group (a freed sliding block leaves -1 in its table).
@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import time
 
-from engine.config import FULL, SLIDING
 from engine.kvcache.block_allocator import BlockAllocator
 from engine.kvcache.host_tier import HostTier
 from engine.kvcache.radix_cache import RadixCache
+from engine.model_config import FULL, SLIDING
 from engine.request import Request
 
 
@@ -82,7 +82,7 @@ class KVManager:
 
     def needs(self, req: Request, upto: int) -> list[int]:
         """New blocks per group for the request to hold `upto` tokens."""
-        n = -(-upto // self.block_size)
+        n = self.allocators[0].blocks_for(upto)
         return [max(0, n - len(t)) for t in req.tables]
 
     def can_allocate(self, needs: list[int]) -> bool:

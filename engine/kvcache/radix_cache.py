@@ -96,10 +96,6 @@ class RadixCache:
             n.lock -= 1
             n = n.parent
 
-    @property
-    def hit_rate(self) -> float:
-        return self.hits_tokens / self.queries_tokens if self.queries_tokens else 0.0
-
     # ------------------------------------------------------------------ insert
 
     def insert(self, tokens: Tokens, blocks: list[int]) -> int:
@@ -159,24 +155,6 @@ class RadixCache:
             if k == len(node.blocks):
                 gone.add(node)
         return total
-
-    def reset(self) -> int:
-        """Drop every unlocked node (e.g. after a weight update); returns blocks released.
-
-        Locked paths stay. No on_evict calls: the dropped contents are not worth keeping.
-        """
-        dropped = 0
-        for node in self._nodes():  # preorder: a subtree's top comes first
-            if node.lock:
-                continue
-            parent = node.parent
-            assert parent is not None
-            if parent is self._root or parent.lock:
-                del parent.children[node.keys[0]]
-            self.allocator.free(node.blocks)
-            dropped += len(node.blocks)
-        self.num_cached_blocks -= dropped
-        return dropped
 
     # ------------------------------------------------------------------ internals
 

@@ -74,10 +74,6 @@ class AsyncEngineClient:
     def healthy(self) -> bool:
         return self.dead_reason is None and self.launcher.alive()
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._queues)
-
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
         for rid, queue in self._queues.items():

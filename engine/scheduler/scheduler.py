@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.config import FULL
 from engine.kvcache.kv_manager import KVManager
+from engine.model_config import FULL
 from engine.protocol import (
     FinishReason,
     NewRequestInfo,

@@ -13,19 +13,18 @@ import time
 import msgspec
 import zmq
 
-from engine.protocol import Abort, StepResult, TokenBatch, TokenizedRequest
+from engine.protocol import Abort, SchedulerInbound, StepResult, TokenBatch, TokenizedRequest
 from engine.runtime.ipc import pull, push
 from engine.runtime.process_entry import ChildContext
 from engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 
 log = logging.getLogger("deepinfer.scheduler")
 
-Inbound = TokenizedRequest | Abort | StepResult
 
 
 def build_scheduler(ctx: ChildContext) -> Scheduler:
     cfg = ctx.config
-    info = cfg.model_info()
+    model = cfg.model_config()
     return Scheduler(SchedulerConfig(
         num_blocks=cfg.kv_blocks(),
         block_size=cfg.block_size,
@@ -33,9 +32,9 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         prefill_chunk_size=cfg.prefill_chunk_size,
         context_len=cfg.context_len(),
-        eos_token_ids=info.eos_token_ids,
-        kv_groups=tuple(info.kv_groups()),
-        sliding_window=info.sliding_window,
+        eos_token_ids=model.eos_token_ids,
+        kv_groups=tuple(model.kv_groups()),
+        sliding_window=model.sliding_window,
         prefix_caching=cfg.enable_prefix_caching,
         swa_replay_tokens=cfg.swa_replay_tokens(),
         host_blocks=cfg.host_kv_blocks(),
@@ -49,7 +48,7 @@ class SchedulerLoop:
         self.inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
         self.to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
         self.to_workers = [push(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
-        self.decode = msgspec.msgpack.Decoder(Inbound).decode
+        self.decode = msgspec.msgpack.Decoder(SchedulerInbound).decode
         self.encode = msgspec.msgpack.Encoder().encode
         self.pending: list = []  # requests/aborts that arrived while we waited for a result
         self.results: dict[int, StepResult] = {}

@@ -19,9 +19,9 @@ from engine.protocol import (
     OutputBatch,
     PositionLogprobs,
     RequestOutput,
-    TokenBatch,
     TokenDelta,
     TokenizedRequest,
+    TokenizerInbound,
     TokenLogprob,
     pack_ids,
     unpack_ids,
@@ -33,7 +33,6 @@ from engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer
 
 log = logging.getLogger("deepinfer.tokenizer")
 
-Inbound = GenerateRequest | Abort | TokenBatch
 
 
 class _Live(msgspec.Struct):
@@ -143,11 +142,11 @@ class TokenizerService:
 def main(ctx: ChildContext) -> None:
     cfg = ctx.config
     service = TokenizerService(Tokenizer(cfg.resolved_model_dir()), cfg.context_len(),
-                               cfg.model_info().vocab_size)
+                               cfg.model_config().vocab_size)
     inbound = pull(ctx.zmq, ctx.endpoints.tokenizer_in)
     to_client = push(ctx.zmq, ctx.endpoints.client_in)
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in)
-    decode = msgspec.msgpack.Decoder(Inbound).decode
+    decode = msgspec.msgpack.Decoder(TokenizerInbound).decode
     encode = msgspec.msgpack.Encoder().encode
     detokenize_seconds = 0.0
     ctx.ready(context_len=str(cfg.context_len()), vocab_size=str(service.tokenizer.vocab_size))

@@ -10,6 +10,8 @@ and the path for everything else (prefill and mixed steps, other devices and dty
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from kernels.cpu import attention as cpu_attention
@@ -18,6 +20,40 @@ from kernels.cpu import linear as cpu_linear
 from kernels.cpu.native import NativeOp
 
 _OP = NativeOp("decode_layer", "decode_layer.cpp", "decode_layer")
+
+EMPTY = torch.empty(0)  # a weight with no plain copy (only the packed one is kept)
+
+
+@dataclass(frozen=True)
+class LinearWeights:
+    """One linear as the op reads it: the plain [out, in] weight (read by the small-M kernel up
+    to 4 rows; EMPTY when only the packed copy is kept) and the oneDNN-packed one (used above 4
+    rows; None: the small-M kernel throughout)."""
+
+    plain: torch.Tensor
+    packed: torch.Tensor | None
+    bias: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class DecodeLayerWeights:
+    """Everything one layer's call needs besides the step's tensors, resolved once at load."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    qkv: LinearWeights  # may carry a bias (Qwen2); the others may not
+    o: LinearWeights
+    gate_up: LinearWeights
+    down: LinearWeights
+    num_heads: int
+    num_kv_heads: int
+    scale: float
+    kv_group: int  # which KV group's block tables and key ranges the layer reads
+
+    def packed_above_small_m(self) -> bool:
+        """True when every linear has its packed copy (needed for more than 4 rows)."""
+        return all(w.packed is not None for w in (self.qkv, self.o, self.gate_up, self.down))
 
 
 def build_error() -> str | None:
@@ -30,20 +66,15 @@ def available(*tensors: torch.Tensor | None) -> bool:
             and cpu_attention.available(*tensors) and _OP.available(*tensors))
 
 
-def decode_layer(x: torch.Tensor, residual: torch.Tensor, input_norm: torch.Tensor,
-                 post_norm: torch.Tensor, eps: float, qkv_weight: torch.Tensor,
-                 qkv_bias: torch.Tensor | None, o_weight: torch.Tensor,
-                 gate_up_weight: torch.Tensor, down_weight: torch.Tensor,
-                 packed: tuple[torch.Tensor | None, ...], cos: torch.Tensor,
-                 sin: torch.Tensor, positions: torch.Tensor, k_cache: torch.Tensor,
-                 v_cache: torch.Tensor, slots: torch.Tensor, block_tables: torch.Tensor,
-                 key_lo: torch.Tensor, key_hi: torch.Tensor, num_heads: int, num_kv_heads: int,
-                 scale: float, first_layer: bool) -> torch.Tensor:
+def decode_layer(x: torch.Tensor, residual: torch.Tensor, w: DecodeLayerWeights,
+                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                 block_tables: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor,
+                 first_layer: bool) -> torch.Tensor:
     """One layer for [T, hidden] decode rows: returns its output; `residual` (x itself at layer
-    0) is updated in place. Weights are the plain [out, in] ones (read by the small-M kernel up
-    to 4 rows) and `packed`, the oneDNN-packed qkv, o, gate_up, down (used above 4 rows; None:
-    the small-M kernel throughout). The attention arguments are those of
-    `cpu_attention.paged_decode_attention`, the rotary ones of `rope_store_kv`."""
-    return _OP(x, residual, input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
-               gate_up_weight, down_weight, *packed, cos, sin, positions, k_cache, v_cache,
-               slots, block_tables, key_lo, key_hi, num_heads, num_kv_heads, scale, first_layer)
+    0) is updated in place. The attention arguments are those of
+    `attention.paged_decode_attention`, the rotary ones of `fused.rope_store_kv`."""
+    return _OP(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv.plain, w.qkv.bias,
+               w.o.plain, w.gate_up.plain, w.down.plain, w.qkv.packed, w.o.packed,
+               w.gate_up.packed, w.down.packed, cos, sin, positions, k_cache, v_cache, slots,
+               block_tables, key_lo, key_hi, w.num_heads, w.num_kv_heads, w.scale, first_layer)

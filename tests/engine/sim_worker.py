@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.config import FULL, SLIDING
+from engine.model_config import FULL, SLIDING
 from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
 
 CORRUPT = -1  # a slot whose contents are undefined (e.g. two copies raced into it)

@@ -14,7 +14,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from engine.config import FULL, SLIDING
+from engine.model_config import FULL, SLIDING
 from engine.protocol import FinishReason, SamplingParams, TokenizedRequest, pack_ids
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.engine.sim_worker import SimulatedWorker

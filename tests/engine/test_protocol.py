@@ -5,12 +5,12 @@ import numpy as np
 
 from engine.protocol import (
     ChatMessage,
-    ClientToTokenizer,
     GenerateRequest,
     SamplingParams,
     ScheduledSeq,
-    SchedulerToWorker,
     StepPlan,
+    TokenizerInbound,
+    WorkerInbound,
     pack_ids,
     unpack_ids,
 )
@@ -27,9 +27,9 @@ def test_round_trip_through_tagged_unions():
     enc = msgspec.msgpack.Encoder()
     req = GenerateRequest("r1", SamplingParams(max_tokens=5, stop=["\n"], seed=3, logprobs=2),
                           messages=[ChatMessage("user", "hi")])
-    assert msgspec.msgpack.Decoder(ClientToTokenizer).decode(enc.encode(req)) == req
+    assert msgspec.msgpack.Decoder(TokenizerInbound).decode(enc.encode(req)) == req
     plan = StepPlan(4, [ScheduledSeq("r1", pack_ids([1, 2]), 0, [pack_ids([9])], True)],
                     finished=["r0"])
-    back = msgspec.msgpack.Decoder(SchedulerToWorker).decode(enc.encode(plan))
+    back = msgspec.msgpack.Decoder(WorkerInbound).decode(enc.encode(plan))
     assert back == plan and unpack_ids(back.seqs[0].token_ids).tolist() == [1, 2]
 

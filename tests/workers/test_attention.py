@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kernels.cpu import attention as cpu_attention
-from workers.attention import paged as attention
-from workers.attention.paged import AttentionMetadata, SeqSlice, paged_attention
+from workers.attention import AttentionMetadata, SeqSlice
+from workers.attention.cpu_backend import CpuAttention
+from workers.attention.torch_backend import TorchAttention
 
 
 def naive(q, k_all, v_all, lo, hi, scale):
@@ -21,12 +22,10 @@ def naive(q, k_all, v_all, lo, hi, scale):
     return (p[:, :, None] * v).sum(1)
 
 
-@pytest.mark.parametrize("use_kernel", [True, False])
+@pytest.mark.parametrize("backend", [CpuAttention, TorchAttention])
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_matches_naive_reference(monkeypatch, use_kernel, window):
-    if not use_kernel:
-        monkeypatch.setattr(attention.cpu_attention, "available", lambda *t: False)
-    elif not cpu_attention.available():
+def test_decode_matches_naive_reference(backend, window):
+    if backend is CpuAttention and not cpu_attention.available():
         pytest.fail(f"native kernel did not build: {cpu_attention.build_error()}")
     torch.manual_seed(0)
     bs, kvh, heads, dim, nblocks = 4, 2, 4, 16, 40
@@ -44,7 +43,7 @@ def test_decode_matches_naive_reference(monkeypatch, use_kernel, window):
     meta = AttentionMetadata.build(slices, bs, window)
     q = torch.randn(len(rows), heads, dim)
     k_new, v_new = torch.randn(len(rows), kvh, dim), torch.randn(len(rows), kvh, dim)
-    out = paged_attention(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
+    out = backend().forward(q, k_new, v_new, k_cache, v_cache, meta, dim**-0.5)
     for i, (table, pos, key_from) in enumerate(rows):
         blocks = torch.from_numpy(np.maximum(table, 0).astype(np.int64))
         k_all = k_cache[blocks].reshape(-1, kvh, dim)

@@ -22,14 +22,17 @@ pytestmark = pytest.mark.skipif(
     ("qwen2", dict(num_key_value_heads=2)),  # q/k/v biases
 ])
 @pytest.mark.parametrize("batch", [2, 6])  # small-M kernel / oneDNN-packed linears
-def test_matches_python_layers(tmp_path, arch: str, overrides: dict, batch: int) -> None:
+@pytest.mark.parametrize("copies", ["both", "packed", "plain"])  # weight copies kept
+def test_matches_python_layers(tmp_path, arch: str, overrides: dict, batch: int,
+                               copies: str) -> None:
     from workers.model_runner import ModelRunner
 
     model_dir = save_tiny_model(tmp_path, arch, **overrides)
-    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4)  # 10 a request
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4,  # 10 a request
+                       cpu_linear_weights=copies)
     fast, slow = ModelRunner(cfg), ModelRunner(cfg)
-    assert fast.model.model._fast_layers, "the one-call decode layer should be in use"
-    slow.model.model._fast_layers = None  # the Python layers
+    assert fast.model.model.fast_layers, "the one-call decode layer should be in use"
+    slow.model.model.fast_layers = None  # the Python layers
 
     rng = np.random.default_rng(0)
     prompts = {f"r{i}": rng.integers(3, 40000, int(rng.integers(5, 22))).tolist()

@@ -58,7 +58,7 @@ def test_prefill_logits_match_hf_under_chunking(tiny, kernels, monkeypatch):
     block_size = 4
     cfg = EngineConfig(model=str(tiny), num_kv_blocks=64, block_size=block_size)
     runner = ModelRunner(cfg)
-    info = cfg.model_info()
+    info = cfg.model_config()
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=block_size,
                                       max_num_batched_tokens=24, prefill_chunk_size=10,
                                       kv_groups=tuple(info.kv_groups()),

@@ -1,0 +1,22 @@
+"""Attention backends behind one interface (base.py); `select_backend` picks one at load."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.cpu import attention as cpu_attention
+from workers.attention.base import AttentionBackend
+from workers.attention.metadata import AttentionMetadata, SeqSlice
+from workers.attention.torch_backend import TorchAttention
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "SeqSlice", "select_backend"]
+
+
+def select_backend(device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
+    """The native CPU kernel where it builds and takes the dtype, plain torch elsewhere."""
+    probe = torch.empty(0, device=device, dtype=dtype)
+    if cpu_attention.available(probe):
+        from workers.attention.cpu_backend import CpuAttention
+
+        return CpuAttention()
+    return TorchAttention()

@@ -1,34 +1,53 @@
-"""Linear layers with the fastest CPU paths measured here.
+"""Linear layers with the fastest CPU paths measured here, and a choice of weight copies.
 
-- Decode batches (M <= 4): the native weight-streaming kernel (kernels/cpu_linear.py) reads the
+- Decode batches (M <= 4): the native weight-streaming kernel (kernels/cpu/linear.py) reads the
   plain [out, in] weight once for all rows: ~18 ms for a SmolLM2 token's linears against ~27 ms
   for oneDNN and ~50 ms for F.linear.
 - Larger M (prefill chunks, big decode batches): oneDNN-packed float32 weights via
   `mkldnn._linear_pointwise` (1.6-3x faster than MKL's small-M GEMM, see DESIGN.md); the weight
   is reordered once by `finalize()`.
 - Elsewhere (CUDA, half precision, no compiler, no mkldnn): plain `F.linear`.
-On CPU both copies of a weight are kept (the packed one and the plain one): twice the weight
-memory, for the fastest path at every batch size.
+
+The two fast paths need different copies of a weight. `finalize(copies=...)` keeps "both" (the
+fastest path at every batch size, twice the weight memory), "packed" (oneDNN at every batch
+size: batch-1 decode is slower) or "plain" (the small-M kernel, then F.linear above 4 rows).
+The loader picks per model (`resolve_weight_copies`): both while the second copy is cheap.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels.cpu import linear as cpu_linear
+from kernels.cpu.decode_layer import EMPTY, LinearWeights
 
 SMALL_M = 4  # largest batch the weight-streaming kernel handles better than a GEMM
+WEIGHT_COPIES = ("auto", "both", "packed", "plain")
 
 
-def _can_pack(weight: torch.Tensor) -> bool:
+def can_pack(weight: torch.Tensor) -> bool:
     return (
         weight.device.type == "cpu"
         and weight.dtype == torch.float32
         and torch.backends.mkldnn.is_available()
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
     )
+
+
+def resolve_weight_copies(copies: str, linear_bytes: int, memory_bytes: int | None = None) -> str:
+    """"auto": both copies while the second costs at most an eighth of the machine's memory
+    (SmolLM2-135M: 0.5 GB of linears, both; a 1B fp32 model: 4 GB, packed only)."""
+    if copies not in WEIGHT_COPIES:
+        raise ValueError(f"weight copies must be one of {WEIGHT_COPIES}, not {copies!r}")
+    if copies != "auto":
+        return copies
+    if memory_bytes is None:
+        memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return "both" if linear_bytes <= memory_bytes // 8 else "packed"
 
 
 class Linear(nn.Module):
@@ -40,28 +59,35 @@ class Linear(nn.Module):
         self.bias = (
             nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         )
-        self._packed: torch.Tensor | None = None
-        self._small_m = False
+        self.packed: torch.Tensor | None = None  # the oneDNN-packed weight
+        self.small_m = False  # the plain weight is kept and the small-M kernel takes it
         # Plain attributes for the hot path (nn.Module's parameter lookup costs ~1 us a call).
         self._w: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
 
-    def finalize(self, pack: bool = True) -> None:
-        """Called once after the weights are loaded."""
+    def finalize(self, copies: str = "both") -> None:
+        """Called once after the weights are loaded; `copies`: both, packed or plain."""
         w = self.weight.data
-        self._small_m = w.is_contiguous() and cpu_linear.available(w, self.bias)
-        if pack and _can_pack(w):
-            self._packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
-            if not self._small_m:
+        native = w.is_contiguous() and cpu_linear.available(w, self.bias)
+        self.small_m = native and copies in ("both", "plain")
+        if copies in ("both", "packed") and can_pack(w):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            if not self.small_m:
                 self.weight.data = torch.empty(0)  # the packed copy is the only one needed
         self._w = self.weight.data
         self._b = None if self.bias is None else self.bias.data
 
+    def weights(self) -> LinearWeights | None:
+        """The weights as the one-call decode layer reads them; None when it cannot."""
+        if not (self.small_m or self.packed is not None):
+            return None
+        return LinearWeights(self._w if self.small_m else EMPTY, self.packed, self._b)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self._small_m and x.shape[0] <= SMALL_M:
+        if self.small_m and x.shape[0] <= SMALL_M:
             return cpu_linear.linear_small_m(x, self._w, self._b)
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self._b, "none", [], "")
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self._b, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
 

@@ -13,16 +13,16 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
-        self._native_weight: torch.Tensor | None = None  # set by finalize() when native
+        self.native_weight: torch.Tensor | None = None  # set by finalize() when native
 
     def finalize(self) -> None:
         """Called once after the weights are loaded: picks the fused native op when it fits."""
         w = self.weight.data
-        self._native_weight = w if cpu_fused.available(w) else None
+        self.native_weight = w if cpu_fused.available(w) else None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Norm of x, or with `residual`: residual += x (in place), then the norm of the sum."""
-        w = self._native_weight
+        w = self.native_weight
         if w is not None and x.is_contiguous():
             return cpu_fused.add_rms_norm(x, residual, w, self.eps)
         return cpu_fused.add_rms_norm_ref(x, residual, self.weight, self.eps)

@@ -10,17 +10,6 @@ from torch import nn
 from kernels.cpu import fused as cpu_fused
 
 
-def rope_parameters(cfg: dict) -> dict:
-    """Normalize old (rope_theta + rope_scaling) and new (rope_parameters) config styles."""
-    params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    for key, value in scaling.items():
-        params.setdefault(key, value)
-    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
-    return params
-
-
 def inverse_frequencies(params: dict, rotary_dim: int) -> tuple[torch.Tensor, float]:
     """Inverse frequencies and the attention scaling factor for the config's rope type."""
     base = float(params["rope_theta"])
@@ -53,10 +42,10 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
-        self._native = False  # set by finalize(), once the model has its final dtype
+        self.native = False  # set by finalize(), once the model has its final dtype
 
     def finalize(self) -> None:
-        self._native = cpu_fused.available(self.cos)
+        self.native = cpu_fused.available(self.cos)
 
     def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, k_cache: torch.Tensor | None = None,
@@ -64,7 +53,7 @@ class RotaryEmbedding(nn.Module):
                         ) -> None:
         """Rotate q [T, H, D] and k [T, KVH, D] in place at `positions`, then write k, v to
         the cache `slots` (-1: not written): one fused pass on CPU float32."""
-        native = (self._native and q.dtype == torch.float32
+        native = (self.native and q.dtype == torch.float32
                   and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
                   and (k_cache is None or (k_cache.is_contiguous() and v_cache.is_contiguous())))
         fn = cpu_fused.rope_store_kv if native else cpu_fused.rope_store_kv_ref

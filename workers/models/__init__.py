@@ -1,21 +1,25 @@
-"""Model registry: HF `architectures` name -> model class."""
+"""Model registry: HF `architectures` name -> the model class, imported only when used."""
 
 from __future__ import annotations
 
-from workers.models.llama import LlamaForCausalLM
+import importlib
 
-MODELS = {
-    "LlamaForCausalLM": LlamaForCausalLM,
-    "MistralForCausalLM": LlamaForCausalLM,
-    "Qwen2ForCausalLM": LlamaForCausalLM,
-    "Qwen3ForCausalLM": LlamaForCausalLM,
+from engine.model_config import ModelConfigError
+
+# architecture -> "module:class" (one module per model family)
+ARCHITECTURES = {
+    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "workers.models.llama:LlamaForCausalLM",
 }
 
 
-def model_class(architecture: str):
-    try:
-        return MODELS[architecture]
-    except KeyError:
-        raise ValueError(
-            f"architecture {architecture!r} is not supported (supported: {sorted(MODELS)})"
-        ) from None
+def model_class(architecture: str) -> type:
+    target = ARCHITECTURES.get(architecture)
+    if target is None:
+        raise ModelConfigError(
+            f"architecture {architecture!r} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})")
+    module, name = target.split(":")
+    return getattr(importlib.import_module(module), name)

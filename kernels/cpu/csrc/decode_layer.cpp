@@ -28,7 +28,9 @@ c10::TypedOperatorHandle<Signature> op(const char* name) {
 
 constexpr int64_t kSmallM = 4;  // workers/layers/linear.py SMALL_M
 
-// y = x W^T (+ b): the small-M kernel on the plain weight, or oneDNN on the packed one.
+// y = x W^T (+ b): the small-M kernel on the plain weight, or oneDNN on the packed one. A
+// linear may keep only one copy: an empty plain weight means packed only, no packed one means
+// the small-M kernel at every row count.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& packed,
                   const OptTensor& bias) {
   static const auto small_m =
@@ -36,7 +38,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
           "deepinfer_cpu::linear_small_m");
   static const auto onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
-  if (x.size(0) <= kSmallM || !packed.has_value()) return small_m.call(x, weight, bias);
+  const bool has_plain = weight.numel() > 0;
+  TORCH_CHECK(has_plain || packed.has_value(), "a linear needs a plain or a packed weight");
+  if (!packed.has_value() || (has_plain && x.size(0) <= kSmallM)) {
+    return small_m.call(x, weight, bias);
+  }
   torch::jit::Stack stack{x, *packed, bias, std::string("none"),
                           c10::List<std::optional<at::Scalar>>(), std::string("")};
   onednn.callBoxed(&stack);

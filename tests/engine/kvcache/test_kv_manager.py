@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from engine.config import FULL, SLIDING
+from engine.model_config import FULL, SLIDING
 from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 

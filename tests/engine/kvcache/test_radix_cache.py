@@ -160,25 +160,6 @@ def test_parents_become_leaves_and_are_evicted():
     assert alloc.num_free == alloc.num_blocks
 
 
-def test_reset_keeps_locked_paths():
-    alloc, cache = make()
-    m, blocks = run_request(alloc, cache, list(range(8)) + [5] * 4)
-    for p in ([7] * 8, list(range(8)) + [6] * 4):
-        bl = alloc.allocate(alloc.blocks_for(len(p)))
-        cache.insert(p, bl)
-        alloc.free(bl)
-    lock = cache.match(list(range(8)) + [5] * 4)
-    cache.lock(lock)
-    assert cache.reset() == 3  # [7]*8 (2 blocks) and the [6] branch; the locked path stays
-    assert cache.num_cached_blocks == 3
-    assert cache.match(list(range(8)) + [5] * 4).num_tokens == 12
-    cache.unlock(lock.node)
-    alloc.free(lock.blocks)
-    finish(alloc, cache, m, blocks)
-    assert cache.reset() == 3 and alloc.num_free == alloc.num_blocks
-    assert not cache._root.children and cache.num_cached_blocks == 0
-
-
 def test_hit_counters_count_on_lock():
     alloc, cache = make()
     m, blocks = run_request(alloc, cache, list(range(8)))
@@ -186,7 +167,6 @@ def test_hit_counters_count_on_lock():
     cache.match(list(range(8)))  # a lookup that is not admitted does not count
     cache.lock(m2)
     assert cache.queries_tokens == 16 and cache.hits_tokens == 4
-    assert cache.hit_rate == 0.25
 
 
 def test_block_size_must_match_the_allocator():
@@ -267,14 +247,6 @@ class CacheMachine(RuleBasedStateMachine):
         expect = min(n, self.cache.evictable_blocks())
         free_before = self.alloc.num_free
         assert self.cache.evict(n) == expect == self.alloc.num_free - free_before
-
-    @rule(flip=st.integers(0, 3))
-    def reset(self, flip: int) -> None:
-        if flip:  # keep resets rare so the tree gets deep
-            return
-        locked = {tuple(p[: m.num_tokens]) for p, m, _ in self.live}
-        self.model = {k for k in self.model if any(lk[: len(k)] == k for lk in locked)}
-        self.cache.reset()
 
     @rule(prompt=PROMPTS)
     def lookup(self, prompt: list[int]) -> None:

@@ -1,13 +1,12 @@
-"""Attention over the paged KV cache (torch backend: CPU and reference).
+"""Per-step attention metadata over the paged KV cache, built once per step and KV group.
 
 A layer's cache is two tensors [num_blocks, block_size, kv_heads, head_dim]. A step writes its
 new K/V at `row_slots` (slot = block * block_size + offset; the rotary op does it, fused with
-the rotation), then attends:
-- all decode rows (one query each) in one batched SDPA call over their block-gathered contexts
-  (gathering whole blocks with one index_select is ~1.5x cheaper than gathering slots);
-- each prefill chunk in its own SDPA call (causal within the chunk, full over earlier tokens).
-Sliding-window layers see keys in (q - W, q] and gather only the blocks that window touches;
-their block tables hold -1 where a block fell out of the window and was freed.
+the rotation); then decode rows (one query each) attend over their block tables with per-row
+visible key ranges [lo, hi), and each prefill chunk over its gathered blocks. Sliding-window
+layers see keys in (q - W, q] and touch only the blocks that window covers; their block tables
+hold -1 where a block fell out of the window and was freed. Every attention backend reads the
+same metadata.
 """
 
 from __future__ import annotations
@@ -16,9 +15,6 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-
-from kernels.cpu import attention as cpu_attention
 
 
 @dataclass
@@ -104,62 +100,3 @@ class AttentionMetadata:
             meta.decode_rows = torch.tensor(dec_rows, dtype=torch.int64)
             meta.decode_blocks = torch.from_numpy(padded.reshape(-1))
         return meta
-
-
-def _gather(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:
-    """[B * MB] block ids -> [B, KVH, MB * block_size, D] keys or values."""
-    g = cache.index_select(0, blocks)
-    return g.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
-
-
-def paged_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """q: [T, H, D]; k, v: [T, KVH, D] (this step's, already in the cache). Returns [T, H, D]."""
-    gqa = q.shape[1] != k.shape[1]
-    if meta.decode_rows is not None and not meta.prefills:
-        return _decode(q, k_cache, v_cache, meta, scale, gqa)
-    out = torch.empty_like(q)
-    if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, scale, gqa)
-    for p in meta.prefills:
-        qs = q[p.start: p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-        if p.fresh:
-            ks = k[p.start: p.end].transpose(0, 1).unsqueeze(0)
-            vs = v[p.start: p.end].transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
-                                               enable_gqa=gqa)
-        else:
-            ctx = p.ctx_len - p.first_key
-            ks = _gather(k_cache, p.blocks, 1)[:, :, :ctx]
-            vs = _gather(v_cache, p.blocks, 1)[:, :, :ctx]
-            q_pos = torch.arange(p.start_pos, p.ctx_len).unsqueeze(1)
-            key_pos = torch.arange(p.first_key, p.ctx_len).unsqueeze(0)
-            mask = (key_pos <= q_pos) & (key_pos >= p.key_from)
-            if meta.window is not None:
-                mask &= key_pos > q_pos - meta.window
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                               enable_gqa=gqa)
-        out[p.start: p.end] = o.squeeze(0).transpose(0, 1)
-    return out
-
-
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, gqa: bool):
-    batch = q.shape[0]
-    if cpu_attention.available(q, k_cache):
-        # Native kernel: reads K/V in place, ~2.5x cheaper than gather + SDPA at batch 64.
-        return cpu_attention.paged_decode_attention(
-            q, k_cache, v_cache, meta.decode_blocks.view(batch, -1), meta.decode_lo,
-            meta.decode_hi, scale)
-    kd = _gather(k_cache, meta.decode_blocks, batch)
-    vd = _gather(v_cache, meta.decode_blocks, batch)
-    o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd,
-                                       attn_mask=meta.decode_mask(kd.shape[2]),
-                                       scale=scale, enable_gqa=gqa)
-    return o.squeeze(2)

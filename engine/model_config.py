@@ -1,0 +1,146 @@
+"""A checkpoint's HF config.json, parsed once into one typed ModelConfig.
+
+Every process reads the model through this: the scheduler (KV groups, windows, EOS ids), the
+tokenizer (vocabulary), the workers (shapes for building the model). Derived values (head_dim,
+per-layer attention kinds, the normalized RoPE parameters, bias conventions of each family)
+are worked out here and nowhere else. No torch: the API, tokenizer and scheduler stay light.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+FULL = "full"
+SLIDING = "sliding"
+
+
+class ModelConfigError(ValueError):
+    """The model cannot be served as asked (no such directory, no config.json, an unsupported
+    architecture): the user's to fix, reported as one line, never a traceback."""
+
+
+def layer_kinds(cfg: dict) -> list[str]:
+    """Per-layer attention kind ("full" or "sliding") from an HF config.
+
+    `layer_types` (Qwen3, GPT-OSS, Gemma 3 style) wins; otherwise a `sliding_window` applies to
+    every layer (Mistral), unless `use_sliding_window` is false (Qwen2/Qwen3 defaults).
+    """
+    n = cfg["num_hidden_layers"]
+    if cfg.get("layer_types"):
+        return [SLIDING if "sliding" in t else FULL for t in cfg["layer_types"]]
+    if cfg.get("sliding_window") and cfg.get("use_sliding_window", True):
+        return [SLIDING] * n
+    return [FULL] * n
+
+
+def rope_parameters(cfg: dict) -> dict[str, Any]:
+    """Normalize old (rope_theta + rope_scaling) and new (rope_parameters) config styles."""
+    params = dict(cfg.get("rope_parameters") or {})
+    scaling = cfg.get("rope_scaling") or {}
+    for key, value in scaling.items():
+        params.setdefault(key, value)
+    params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    return params
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What every process needs to know about a checkpoint, with no torch."""
+
+    architecture: str
+    model_type: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position_embeddings: int
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_proj_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+    rope: dict[str, Any]
+    eos_token_ids: tuple[int, ...]
+    layer_kinds: tuple[str, ...]
+    sliding_window: int | None = None
+
+    def kv_groups(self) -> list[str]:
+        """KV cache groups in a fixed order: full layers first, then sliding layers.
+
+        Each group has its own block pool and its own block table per request: sliding layers
+        only keep the blocks inside their window.
+        """
+        return [k for k in (FULL, SLIDING) if k in self.layer_kinds]
+
+    def layer_group(self, layer: int) -> int:
+        return self.kv_groups().index(self.layer_kinds[layer])
+
+    def layers_in_group(self, group: int) -> int:
+        return self.layer_kinds.count(self.kv_groups()[group])
+
+    @classmethod
+    def from_dir(cls, model_dir: str) -> ModelConfig:
+        return _load(str(Path(model_dir).resolve()))
+
+    @classmethod
+    def from_hf(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
+        """From config.json's contents (and generation_config.json's, which may name EOS ids)."""
+        cfg = raw.get("text_config", raw)
+        model_type = cfg.get("model_type") or raw.get("model_type") or "llama"
+        heads = cfg["num_attention_heads"]
+        eos = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        kinds = tuple(layer_kinds(cfg))
+        # Qwen2 has q/k/v biases and no o_proj bias without saying so in its config.
+        qkv_bias = cfg.get("attention_bias", model_type == "qwen2")
+        return cls(
+            architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
+            model_type=model_type,
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            vocab_size=cfg["vocab_size"],
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
+                                             raw.get("tie_word_embeddings", False))),
+            qkv_bias=bool(qkv_bias),
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            rope=rope_parameters(cfg),
+            eos_token_ids=eos_ids,
+            layer_kinds=kinds,
+            sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
+        )
+
+
+@functools.lru_cache(maxsize=8)
+def _load(model_dir: str) -> ModelConfig:
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise ModelConfigError(f"model directory {model_dir} does not exist")
+    config_file = path / "config.json"
+    if not config_file.exists():
+        raise ModelConfigError(f"{model_dir} has no config.json (not a Hugging Face model "
+                               "directory)")
+    try:
+        raw = json.loads(config_file.read_text())
+        gen_file = path / "generation_config.json"
+        generation = json.loads(gen_file.read_text()) if gen_file.exists() else None
+        return ModelConfig.from_hf(raw, generation)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelConfigError(f"{config_file} cannot be read: {type(exc).__name__}: {exc}"
+                               ) from None

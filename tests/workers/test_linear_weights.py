@@ -1,0 +1,43 @@
+"""Which copies of a linear weight are kept, and that every choice computes the same thing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from workers.layers.linear import Linear, resolve_weight_copies
+
+
+def test_auto_keeps_both_copies_only_while_they_are_cheap():
+    gib = 1 << 30
+    assert resolve_weight_copies("auto", gib // 2, memory_bytes=24 * gib) == "both"
+    assert resolve_weight_copies("auto", 4 * gib, memory_bytes=24 * gib) == "packed"
+    assert resolve_weight_copies("plain", 4 * gib) == "plain"
+    with pytest.raises(ValueError):
+        resolve_weight_copies("two", 1)
+
+
+@pytest.mark.parametrize("copies", ["both", "packed", "plain"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 64])
+def test_every_choice_matches_f_linear(copies, rows):
+    torch.manual_seed(0)
+    lin = Linear(96, 80, bias=True)
+    lin.weight.data.normal_()
+    lin.bias.data.normal_()
+    w, b = lin.weight.data.clone(), lin.bias.data.clone()
+    lin.finalize(copies)
+    x = torch.randn(rows, 96)
+    torch.testing.assert_close(lin(x), torch.nn.functional.linear(x, w, b), rtol=1e-4,
+                               atol=1e-4)
+
+
+def test_packed_only_drops_the_plain_weight():
+    both, packed = Linear(64, 64), Linear(64, 64)
+    for lin in (both, packed):
+        lin.weight.data.normal_()
+    both.finalize("both")
+    packed.finalize("packed")
+    if both.packed is None:
+        pytest.skip("no oneDNN on this torch build")
+    assert both.weight.numel() == 64 * 64 and both.small_m
+    assert packed.weight.numel() == 0 and packed.packed is not None and not packed.small_m

@@ -1,0 +1,30 @@
+"""The attention-backend seam: one object a model's attention layers call, chosen at load.
+
+A backend turns a step's metadata (workers/attention/metadata.py, built once per step and KV
+group) and a layer's q, k, v and paged cache into the attention output. Backends differ in how
+they read the cache (a native CPU kernel, gather + SDPA in plain torch, Triton on CUDA) but not
+in what they compute: tests hold each to the torch reference.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from workers.attention.metadata import AttentionMetadata, SeqSlice
+
+
+class AttentionBackend:
+    name = "base"
+    # True when decode attention is the native CPU kernel that the one-call decode layer
+    # (kernels/cpu/decode_layer.py) calls itself.
+    native_decode = False
+
+    def build_metadata(self, slices: list[SeqSlice], block_size: int,
+                       window: int | None) -> AttentionMetadata:
+        return AttentionMetadata.build(slices, block_size, window)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+        """q [T, H, D]; k, v [T, KVH, D] (this step's, already in the cache) -> [T, H, D]."""
+        raise NotImplementedError
