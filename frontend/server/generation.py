@@ -26,6 +26,7 @@ from frontend.server.openai_responses import PromptTokensDetails, Usage
 from frontend.server.state import ServerState
 
 _DONE = object()
+_INT64_HALF = 1 << 63
 
 
 def engine_error(state: ServerState, message: str, param: str | None) -> APIError:
@@ -172,10 +173,15 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
 
 
 def seeded(params: SamplingParams, i: int) -> SamplingParams:
-    """The i-th choice's params: a given seed becomes seed + i so choices differ."""
+    """The i-th choice's params: a given seed becomes seed + i so choices differ.
+
+    The sum wraps around inside the signed 64-bit range, the range the API accepts for a seed,
+    so that a seed near its top still gives n distinct seeds the engine can carry.
+    """
     if params.seed is None or i == 0:
         return params
-    return msgspec.structs.replace(params, seed=params.seed + i)
+    seed = (params.seed + i + _INT64_HALF) % (2 * _INT64_HALF) - _INT64_HALF
+    return msgspec.structs.replace(params, seed=seed)
 
 
 def _without_prompt(out: RequestOutput) -> RequestOutput:

@@ -23,20 +23,47 @@ log = logging.getLogger("deepinfer.api")
 T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 8 << 20
+MAX_DRAIN_FACTOR = 16
+MAX_DRAIN_BYTES = 256 << 20
+
+
+def _too_big(limit: int, close: bool = False) -> APIError:
+    # Close when the body was not read to its end: the connection cannot carry another request.
+    headers = {"Connection": "close"} if close else None
+    return APIError(f"request body exceeds {limit} bytes", status=413, headers=headers)
+
+
+def _declared_length(request: Request) -> int:
+    """The Content-Length header's value; 0 without one (a chunked body is counted as read)."""
+    length = request.headers.get("content-length", "")
+    return int(length) if length.isdigit() else 0
 
 
 async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> bytes:
-    """The request body, or 413 as soon as it is known to exceed `limit` bytes."""
-    too_big = APIError(f"request body exceeds {limit} bytes", status=413)
-    length = request.headers.get("content-length")
-    if length is not None and length.isdigit() and int(length) > limit:
-        raise too_big
-    parts, size = [], 0
+    """The request body, or 413 when it exceeds `limit` bytes.
+
+    An over-limit body is still read to its end (and dropped) before the 413 goes out: closing
+    a socket with unread input makes the kernel reset the connection, and the client would see
+    the reset instead of the error. Draining stops at a cap (16x the limit, at most 256 MiB);
+    past it, or when the client waits for `100 Continue`, the 413 goes out at once.
+    """
+    cap = min(MAX_DRAIN_FACTOR * limit, MAX_DRAIN_BYTES)
+    declared = _declared_length(request)
+    over = declared > limit
+    waits = request.headers.get("expect", "").lower() == "100-continue"
+    if over and (declared > cap or waits):
+        raise _too_big(limit, close=True)
+    parts: list[bytes] = []
+    size = 0
     async for chunk in request.stream():
         size += len(chunk)
-        if size > limit:
-            raise too_big
-        parts.append(chunk)
+        if size > cap:
+            raise _too_big(limit, close=True)
+        over = over or size > limit
+        if not over:
+            parts.append(chunk)
+    if over:
+        raise _too_big(limit)
     return b"".join(parts)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.protocol import ChatMessage
 from frontend.server.errors import APIError
 from frontend.server.openai_schema import CompletionRequest, Message
+from frontend.server.sampling import INT32_MAX
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _TEXT_PARTS = {"text", "input_text"}
@@ -63,6 +64,7 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
     for ids in prompts:
         if not ids:
             raise APIError("a token prompt must not be empty", param="prompt")
-        if min(ids) < 0:
-            raise APIError("token ids must be >= 0", param="prompt")
+        # Past the vocabulary the tokenizer process rejects them; past int32 they cannot travel.
+        if min(ids) < 0 or max(ids) > INT32_MAX:
+            raise APIError(f"token ids must be in [0, {INT32_MAX}]", param="prompt")
     return prompts  # type: ignore[return-value]

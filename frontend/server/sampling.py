@@ -15,6 +15,8 @@ MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
+INT32_MAX = 2**31 - 1  # token ids travel as int32 (engine.protocol.pack_ids); top_k is kept in it
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer, as in vLLM
 
 
 def _check(ok: bool, param: str, message: str) -> None:
@@ -41,7 +43,8 @@ def _stop(stop: str | list[str] | None) -> list[str]:
     return stops
 
 
-def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _floats(req: _SamplingFields) -> tuple[float, float, float, float]:
+    """temperature, top_p, min_p, repetition_penalty; NaN and infinities fail every range."""
     temperature = 1.0 if req.temperature is None else req.temperature
     _check(
         math.isfinite(temperature) and temperature >= 0,
@@ -50,8 +53,6 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> Samp
     )
     top_p = 1.0 if req.top_p is None else req.top_p
     _check(0 < top_p <= 1, "top_p", f"top_p must be in (0, 1], got {top_p}")
-    top_k = req.top_k or 0
-    _check(top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {top_k}")
     min_p = req.min_p or 0.0
     _check(0 <= min_p <= 1, "min_p", f"min_p must be in [0, 1], got {min_p}")
     penalties = (
@@ -61,24 +62,61 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> Samp
     for name, value in penalties:
         _check(value is None or -2 <= value <= 2, name, f"{name} must be in [-2, 2], got {value}")
     rep = 1.0 if req.repetition_penalty is None else req.repetition_penalty
-    _check(rep > 0, "repetition_penalty", f"repetition_penalty must be > 0, got {rep}")
+    _check(
+        math.isfinite(rep) and rep > 0,
+        "repetition_penalty",
+        f"repetition_penalty must be > 0 and finite, got {rep}",
+    )
+    return temperature, top_p, min_p, rep
+
+
+def _top_k(value: int | None) -> int:
+    """The engine's top_k, 0 meaning off.
+
+    A k past the vocabulary is off as well (the sampler clamps k to it), so a huge k is clamped
+    into int32 here rather than overflowing a worker's tensors (which kills the worker).
+    """
+    top_k = value or 0
+    _check(top_k >= -1, "top_k", f"top_k must be -1 (off), 0 (off) or positive, got {top_k}")
+    return min(max(top_k, 0), INT32_MAX)
+
+
+def _seed(value: int | None) -> int | None:
+    _check(
+        value is None or SEED_MIN <= value <= SEED_MAX,
+        "seed",
+        f"seed must be a signed 64-bit integer, in [{SEED_MIN}, {SEED_MAX}], got {value}",
+    )
+    return value
+
+
+def _stop_token_ids(ids: list[int] | None) -> list[int]:
+    stop_ids = list(ids or [])
+    _check(
+        all(0 <= t <= INT32_MAX for t in stop_ids),
+        "stop_token_ids",
+        f"stop_token_ids must be in [0, {INT32_MAX}]",
+    )
+    return stop_ids
+
+
+def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    temperature, top_p, min_p, rep = _floats(req)
     _check(not req.logit_bias, "logit_bias", "logit_bias is not supported")
-    stop_ids = list(req.stop_token_ids or [])
-    _check(all(t >= 0 for t in stop_ids), "stop_token_ids", "stop_token_ids must be >= 0")
     n = 1 if req.n is None else req.n
     _check(1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {n}")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         top_p=top_p,
-        top_k=max(top_k, 0),
+        top_k=_top_k(req.top_k),
         min_p=min_p,
         repetition_penalty=rep,
         frequency_penalty=req.frequency_penalty or 0.0,
         presence_penalty=req.presence_penalty or 0.0,
-        seed=req.seed,
+        seed=_seed(req.seed),
         stop=_stop(req.stop),
-        stop_token_ids=stop_ids,
+        stop_token_ids=_stop_token_ids(req.stop_token_ids),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,

@@ -30,6 +30,20 @@ def test_seeded():
     assert seeded(SamplingParams(), 2).seed is None
 
 
+@pytest.mark.parametrize("seed", [2**63 - 1, 2**63 - 5, -(2**63), -1])
+def test_seeded_choices_stay_signed_64_bit_and_distinct(seed):
+    seeds = [seeded(SamplingParams(seed=seed), i).seed for i in range(16)]
+    assert all(-(2**63) <= s < 2**63 for s in seeds)
+    assert len(set(seeds)) == 16
+    assert seeds == [seeded(SamplingParams(seed=seed), i).seed for i in range(16)]
+
+
+def test_seeded_wraps_around_at_the_top():
+    top = 2**63 - 1
+    assert [seeded(SamplingParams(seed=top), i).seed for i in range(3)] == [
+        top, -(2**63), -(2**63) + 1]
+
+
 def test_collect_merges_choices_and_releases_slots():
     async def main():
         engine = FakeEngineClient(delay=0.001)

@@ -129,3 +129,91 @@ def test_bench_pieces():
     assert report["completed"] == 1 and report["failed"] == 1
     assert report["output_throughput"] == 5 and report["good_requests"] == 1
     assert report["mean_ttft_ms"] == pytest.approx(100)
+
+
+INT32_MAX = 2**31 - 1
+
+
+@pytest.mark.parametrize("extra,param", [
+    (', "top_k": -2', "top_k"),
+    (f', "seed": {2**63}', "seed"),
+    (f', "seed": {2**64 - 1}', "seed"),
+    (f', "seed": {-(2**63) - 1}', "seed"),
+    (f', "stop_token_ids": [{2**31}]', "stop_token_ids"),
+    (', "stop_token_ids": [3, -1]', "stop_token_ids"),
+    (', "n": 0', "n"),
+    (', "n": 17', "n"),
+    (', "max_tokens": 0', "max_tokens"),
+    (f', "max_tokens": {2**64}', "max_tokens"),
+    (f', "max_completion_tokens": {2**63}', "max_completion_tokens"),
+    (', "logprobs": true, "top_logprobs": -1', "top_logprobs"),
+    (', "logprobs": true, "top_logprobs": 21', "top_logprobs"),
+])
+def test_out_of_range_integers_name_the_field(extra, param):
+    with pytest.raises(APIError) as exc:
+        chat_params(chat_req(extra), 10)
+    assert exc.value.status == 400 and exc.value.param == param
+
+
+@pytest.mark.parametrize("extra,param", [
+    (', "logprobs": -1', "logprobs"),
+    (', "logprobs": 21', "logprobs"),
+    (f', "best_of": {2**64}', "best_of"),
+    (f', "seed": {2**63}', "seed"),
+])
+def test_out_of_range_completion_integers_name_the_field(extra, param):
+    with pytest.raises(APIError) as exc:
+        completion_params(decode_completion(b'{"prompt": "x"' + extra.encode() + b"}"), 10)
+    assert exc.value.status == 400 and exc.value.param == param
+
+
+@pytest.mark.parametrize("seed", [-(2**63), -1, 0, 2**63 - 1])
+def test_signed_64_bit_seeds_are_accepted(seed):
+    assert chat_params(chat_req(f', "seed": {seed}'), 10).seed == seed
+
+
+@pytest.mark.parametrize("top_k,expected", [
+    (-1, 0), (0, 0), (1, 1), (50, 50), (INT32_MAX, INT32_MAX),
+    # past the vocabulary top-k is off anyway: clamped into int32, never an overflow downstream
+    (2**31, INT32_MAX), (2**63, INT32_MAX), (2**64 - 1, INT32_MAX), (2**100, INT32_MAX),
+])
+def test_top_k_is_clamped_into_int32(top_k, expected):
+    assert chat_params(chat_req(f', "top_k": {top_k}'), 10).top_k == expected
+
+
+def test_stop_token_ids_bounds():
+    assert chat_params(chat_req(f', "stop_token_ids": [0, {INT32_MAX}]'), 10).stop_token_ids == [
+        0, INT32_MAX]
+
+
+@pytest.mark.parametrize("field", [
+    "temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty",
+    "repetition_penalty",
+])
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_floats_name_the_field(field, value):
+    req = msgspec.structs.replace(chat_req(), **{field: value})
+    with pytest.raises(APIError) as exc:
+        chat_params(req, 10)
+    assert exc.value.status == 400 and exc.value.param == field
+
+
+@pytest.mark.parametrize("body", [b"1e999", b"NaN", b"Infinity"])
+def test_non_finite_json_numbers_are_400(body):
+    with pytest.raises(msgspec.MsgspecError) as exc:
+        decode_chat(b"{" + MSG + b', "top_p": ' + body + b"}")
+    assert decode_error(exc.value).status == 400
+
+
+@pytest.mark.parametrize("prompt", [[2**31], [2**40], [1, 2**64], [[1], [2, 2**31]], [-1]])
+def test_token_ids_outside_int32_name_the_prompt(prompt):
+    req = decode_completion(msgspec.json.encode({"prompt": prompt}))
+    with pytest.raises(APIError) as exc:
+        completion_prompts(req)
+    assert exc.value.status == 400 and exc.value.param == "prompt"
+
+
+def test_largest_int32_token_id_passes_the_api():
+    # (past the model's vocabulary the tokenizer process rejects it later, also with a 400)
+    assert completion_prompts(decode_completion(b'{"prompt": [0, 2147483647]}')) == [
+        [0, INT32_MAX]]

@@ -1,9 +1,14 @@
-"""End to end: a real `deepinfer serve` process, the tiny model, the real `openai` client."""
+"""End to end: a real `deepinfer serve` process, the tiny model, the real `openai` client.
+
+Raw sockets stand in for a client where a client library's habits would blur the test: a
+disconnect must really close the connection, and a large body must really be sent to its end.
+"""
 
 from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -147,8 +152,53 @@ def test_seed_reproducible(client):
     assert sample(123) == sample(123)
 
 
-def test_abort_mid_stream_frees_blocks(client, server):
+def _raw_post(server: ServerProcess, path: str, body: bytes, *headers: str) -> socket.socket:
+    """A socket that has sent one complete HTTP/1.1 POST (no client library in between)."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.settimeout(60)  # a guard against hanging forever, not part of any assertion
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+            f"Content-Length: {len(body)}", *headers]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    return sock
+
+
+def _scrape(http: httpx.Client) -> dict[str, float]:
+    """Every unlabelled metric of one /metrics scrape."""
+    text = http.get("/metrics").text
+    return {m[1]: float(m[2]) for m in re.finditer(r"^(\w+) ([0-9.e+-]+)$", text, re.M)}
+
+
+def _wait_running(http: httpx.Client, steps_before: float) -> None:
+    """Until the request is admitted and the engine has stepped since `steps_before`.
+
+    `http` is a client already connected, and each look is one scrape: a new client per look
+    costs more than the whole 900-token request may take, which would end before it was seen.
+    """
+    deadline = time.monotonic() + 60
+    while True:
+        m = _scrape(http)
+        in_flight, steps = m["deepinfer_requests_in_flight"], m["deepinfer_engine_steps_total"]
+        if in_flight == 1 and steps > steps_before:
+            return
+        assert time.monotonic() < deadline, (
+            f"the request never started running: in flight {in_flight}, steps {steps} "
+            f"(before {steps_before})")
+        time.sleep(0.01)
+
+
+def _assert_aborted(server: ServerProcess, steps_before: float) -> None:
     total = metric(server, "deepinfer_kv_blocks_total")
+    deadline = time.monotonic() + 20
+    while metric(server, "deepinfer_kv_blocks_free") != total:
+        assert time.monotonic() < deadline, "KV blocks not freed after the client went away"
+        time.sleep(0.1)
+    assert metric(server, "deepinfer_requests_in_flight") == 0
+    assert metric(server, "deepinfer_num_requests_running") == 0
+    # it stopped early, not by running to its 900 tokens
+    assert metric(server, "deepinfer_engine_steps_total") - steps_before < 600
+
+
+def test_abort_mid_stream_frees_blocks(client, server):
     steps_before = metric(server, "deepinfer_engine_steps_total")
     stream = client.completions.create(model="tiny", prompt="Count forever", max_tokens=900,
                                        stream=True, extra_body=NO_EOS)
@@ -156,50 +206,71 @@ def test_abort_mid_stream_frees_blocks(client, server):
         if i == 3:
             break
     stream.close()
-    deadline = time.monotonic() + 20
-    while metric(server, "deepinfer_kv_blocks_free") != total:
-        assert time.monotonic() < deadline, "KV blocks not freed after the client went away"
-        time.sleep(0.1)
-    assert metric(server, "deepinfer_num_requests_running") == 0
-    assert metric(server, "deepinfer_requests_in_flight") == 0
-    # it stopped early, not by running to its 900 tokens
-    assert metric(server, "deepinfer_engine_steps_total") - steps_before < 600
+    _assert_aborted(server, steps_before)
+
+
+def _abort_by_closing_the_socket(server: ServerProcess, stream: bool) -> None:
+    body = json.dumps({"prompt": "Count forever", "max_tokens": 900, "ignore_eos": True,
+                       "model": "tiny", "stream": stream}).encode()
+    with httpx.Client(base_url=server.base_url) as http:
+        steps_before = _scrape(http)["deepinfer_engine_steps_total"]
+        sock = _raw_post(server, "/v1/completions", body)
+        try:
+            _wait_running(http, steps_before)
+            sock.shutdown(socket.SHUT_RDWR)  # the client really goes away: FIN, then no fd
+        finally:
+            sock.close()  # also when the wait failed, so the next test starts from an idle server
+    _assert_aborted(server, steps_before)
 
 
 def test_abort_non_streaming_on_disconnect(server):
-    total = metric(server, "deepinfer_kv_blocks_total")
-    steps_before = metric(server, "deepinfer_engine_steps_total")
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{server.base_url}/v1/completions", timeout=0.5,
-                   json={"prompt": "Count forever", "max_tokens": 900, "ignore_eos": True})
-    deadline = time.monotonic() + 20
-    while metric(server, "deepinfer_kv_blocks_free") != total:
-        assert time.monotonic() < deadline, "KV blocks not freed after the client went away"
-        time.sleep(0.1)
-    assert metric(server, "deepinfer_requests_in_flight") == 0
-    assert metric(server, "deepinfer_engine_steps_total") - steps_before < 600
+    _abort_by_closing_the_socket(server, stream=False)
+
+
+def test_abort_streaming_on_socket_close(server):
+    _abort_by_closing_the_socket(server, stream=True)
+
+
+def test_huge_top_k_is_off(client):
+    """top_k past the vocabulary (even past int64) is clamped: it samples as top_k off."""
+    def sample(top_k: int) -> str:
+        return client.completions.create(
+            model="tiny", prompt="Tell me", max_tokens=6, temperature=1.0, seed=7,
+            extra_body={**NO_EOS, "top_k": top_k}).choices[0].text
+
+    off = sample(0)
+    assert sample(2**63) == off
+    assert sample(2**64 - 1) == off
 
 
 BAD_CASES = [
-    ("chat", b"{oops", 400),
-    ("chat", {"messages": HELLO, "bogus_field": 1}, 400),
-    ("chat", {"messages": HELLO, "max_tokens": 10**7}, 400),
-    ("chat", {"messages": HELLO, "max_tokens": -5}, 400),
-    ("chat", {"messages": HELLO, "temperature": -1}, 400),
-    ("chat", {"messages": HELLO, "top_p": 2}, 400),
-    ("chat", {"messages": HELLO, "n": 0}, 400),
-    ("chat", {"messages": []}, 400),
-    ("chat", {"messages": [{"role": "user", "content": "word " * 1100}]}, 400),
-    ("chat", {"messages": HELLO, "model": "nope"}, 404),
-    ("chat", {"messages": HELLO, "n": MAX_PENDING + 1}, 503),
-    ("completions", {"prompt": "word " * 1100}, 400),
-    ("completions", {"prompt": [10**9]}, 400),
-    ("completions", {"prompt": "x", "max_tokens": "many"}, 400),
+    ("chat", b"{oops", 400, None),
+    ("chat", {"messages": HELLO, "bogus_field": 1}, 400, None),
+    ("chat", {"messages": HELLO, "max_tokens": 10**7}, 400, None),
+    ("chat", {"messages": HELLO, "max_tokens": -5}, 400, None),
+    ("chat", {"messages": HELLO, "temperature": -1}, 400, None),
+    ("chat", {"messages": HELLO, "top_p": 2}, 400, None),
+    ("chat", {"messages": HELLO, "n": 0}, 400, None),
+    ("chat", {"messages": []}, 400, None),
+    ("chat", {"messages": [{"role": "user", "content": "word " * 1100}]}, 400, None),
+    ("chat", {"messages": HELLO, "model": "nope"}, 404, None),
+    ("chat", {"messages": HELLO, "n": MAX_PENDING + 1}, 503, None),
+    ("completions", {"prompt": "word " * 1100}, 400, None),
+    ("completions", {"prompt": [10**9]}, 400, None),
+    ("completions", {"prompt": "x", "max_tokens": "many"}, 400, None),
+    # integers past what the engine can carry: a 400 naming the field, or clamped (top_k)
+    ("chat", {"messages": HELLO, "top_k": 2**63, "max_tokens": 2}, 200, None),
+    ("chat", {"messages": HELLO, "top_k": 2**64 - 1, "max_tokens": 2}, 200, None),
+    ("chat", {"messages": HELLO, "seed": 2**64 - 1, "n": 2}, 400, "seed"),
+    ("chat", {"messages": HELLO, "seed": 2**63}, 400, "seed"),
+    ("completions", {"prompt": [2**31]}, 400, "prompt"),
+    ("completions", {"prompt": [2**40]}, 400, "prompt"),
+    ("completions", {"prompt": "x", "stop_token_ids": [2**31]}, 400, "stop_token_ids"),
 ]
 
 
-@pytest.mark.parametrize("endpoint,body,status", BAD_CASES)
-def test_bad_input_then_still_serving(client, server, endpoint, body, status):
+@pytest.mark.parametrize("endpoint,body,status,param", BAD_CASES)
+def test_bad_input_then_still_serving(client, server, endpoint, body, status, param):
     url = f"{server.base_url}/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
     if isinstance(body, dict):
         body.setdefault("model", "tiny")
@@ -207,11 +278,53 @@ def test_bad_input_then_still_serving(client, server, endpoint, body, status):
     else:
         r = httpx.post(url, content=body, headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
-    assert r.json()["error"]["message"]
+    if status == 200:
+        assert r.json()["choices"]
+    else:
+        assert r.json()["error"]["message"]
+    if param is not None:
+        assert r.json()["error"]["param"] == param
     if status == 503:
         assert r.headers["retry-after"]
+    _still_serving(client)
+
+
+def _still_serving(client: openai.OpenAI) -> None:
     ok = client.chat.completions.create(model="tiny", messages=HELLO, max_tokens=1)
     assert ok.choices[0].message.content is not None
+
+
+@pytest.fixture(scope="module")
+def big_chat() -> bytes:
+    """A 10 MB chat body: over the server's 8 MiB limit, under its 128 MiB drain cap."""
+    text = "x" * (10 << 20)
+    return json.dumps({"model": "tiny", "messages": [{"role": "user", "content": text}]}).encode()
+
+
+def _assert_413(status: int, body: bytes) -> None:
+    assert status == 413, body[:300]
+    error = json.loads(body)["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_oversized_body_413_httpx(client, server, big_chat, chunked):
+    mib = 1 << 20
+    chunks = [big_chat[i:i + mib] for i in range(0, len(big_chat), mib)]
+    content = iter(chunks) if chunked else big_chat  # an iterator goes out chunked
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", content=content,
+                   headers={"content-type": "application/json"}, timeout=60)
+    _assert_413(r.status_code, r.content)
+    _still_serving(client)
+
+
+def test_oversized_body_413_raw_socket(client, server, big_chat):
+    """The whole body goes out, then the 413 comes back (no connection reset on the way)."""
+    with _raw_post(server, "/v1/chat/completions", big_chat, "Connection: close") as sock:
+        response = b"".join(iter(lambda: sock.recv(1 << 16), b""))  # to the server's close
+    head, _, body = response.partition(b"\r\n\r\n")
+    _assert_413(int(head.split()[1]), body)
+    _still_serving(client)
 
 
 def test_openai_client_errors(client):
