@@ -9,7 +9,7 @@ MODEL ?= default
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test lint bench-peers clean
+.PHONY: install model serve test test-slow lint bench-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -34,8 +34,9 @@ $(VENV)/.installed-test: pyproject.toml $(VENV)/.installed-model
 
 install: $(VENV)/.installed
 
-model: $(VENV)/.installed-model
-	$(PY) scripts/prepare_default_model.py
+# The default model, downloaded and converted once (into DEEPINFER_CACHE, or ~/.cache/deepinfer).
+model: $(VENV)/.installed
+	$(VENV)/bin/deepinfer prepare-model
 
 serve: model
 	$(VENV)/bin/deepinfer serve --model $(MODEL) --host $(HOST) --port $(PORT)
@@ -46,6 +47,10 @@ lint: $(VENV)/.installed-test
 
 test: $(VENV)/.installed-test model lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+
+# The long tests (e.g. build the wheel, install it into a fresh venv, serve from there).
+test-slow: $(VENV)/.installed-test model
+	$(VENV)/bin/pytest -q -m slow $(PYTEST_ARGS)
 
 bench-peers: model
 	$(PY) scripts/bench_peers.py

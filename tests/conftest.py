@@ -15,12 +15,10 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def default_model_dir() -> Path:
-    path = cache_dir() / DEFAULT_MODEL_NAME
-    if not (path / "model.safetensors").exists():
-        from scripts.prepare_default_model import prepare
+    """The default model, prepared (downloaded and converted, ~15 s) if it is not yet."""
+    from engine.model_store import prepare
 
-        prepare(path)
-    return path
+    return prepare(DEFAULT_MODEL_NAME, cache_dir())
 
 
 def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:

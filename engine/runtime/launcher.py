@@ -4,6 +4,11 @@ The launcher lives in the caller's process (API server or offline `LLM`). A supe
 waits on every child's sentinel: if one dies while the engine runs, it reports which and why,
 stops the others and calls `on_failure`. `shutdown()` stops every child within a few seconds
 (SIGTERM, then SIGKILL) and removes the socket directory.
+
+Children import DeepInfer from where the caller did, whatever their working directory: the
+directory holding our packages goes first on their PYTHONPATH (an editable install is found by a
+finder that comes after every sys.path entry, so another distribution's `kernels` package, e.g.
+Hugging Face's, would otherwise win), and the working directory is not put on their path.
 """
 
 from __future__ import annotations
@@ -11,11 +16,14 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import site
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import msgspec
 import zmq
@@ -23,6 +31,7 @@ import zmq
 from engine.config import EngineConfig
 from engine.protocol import ControlMessage, ProcessFailed, ProcessReady
 from engine.runtime.ipc import Endpoints
+from engine.runtime.process_entry import PACKAGE_ROOT
 
 log = logging.getLogger("deepinfer.launcher")
 
@@ -34,6 +43,28 @@ WORKER = "workers.worker_process:main"
 
 class EngineStartupError(RuntimeError):
     pass
+
+
+def _site_dirs() -> set[Path]:
+    dirs = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
+    dirs += getattr(site, "getsitepackages", list)()
+    return {Path(d).resolve() for d in dirs}
+
+
+def child_env() -> dict[str, str]:
+    """The caller's environment, with PACKAGE_ROOT first on PYTHONPATH. Not when it is
+    site-packages itself: that would put all of site-packages before the standard library."""
+    env = dict(os.environ)
+    if PACKAGE_ROOT not in _site_dirs():
+        env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+def child_argv(*args: str) -> list[str]:
+    # -P (3.11+): no working directory on sys.path, where a `kernels` folder could shadow ours.
+    safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+    return [sys.executable, *safe_path, "-m", "engine.runtime.process_entry", *args]
 
 
 class Launcher:
@@ -58,10 +89,10 @@ class Launcher:
         cfg, eps = b64(self.config.encode()), b64(msgspec.msgpack.encode(self.endpoints))
         children = [("tokenizer", TOKENIZER, 0), ("scheduler", SCHEDULER, 0)]
         children += [(f"worker{r}", WORKER, r) for r in range(self.config.tensor_parallel_size)]
+        env = child_env()
         for name, target, rank in children:
-            argv = [sys.executable, "-m", "engine.runtime.process_entry", name, target, cfg, eps,
-                    str(rank), str(os.getpid())]
-            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
+            argv = child_argv(name, target, cfg, eps, str(rank), str(os.getpid()))
+            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
         try:
             self._wait_ready(timeout)
         except BaseException:

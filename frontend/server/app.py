@@ -1,4 +1,9 @@
-"""The Starlette app: OpenAI routes, health, metrics, version; the engine lives in its lifespan."""
+"""The Starlette app: OpenAI routes, health, metrics, version; the engine lives in its lifespan.
+
+The engine is started by `start_engine(app)`, which the server awaits before uvicorn serves (a
+start-up failure is then reported once, as the exception, before any socket is bound); when no
+one did (tests), the lifespan starts it. Either way the lifespan stops it.
+"""
 
 from __future__ import annotations
 
@@ -91,16 +96,29 @@ def build_app(
         if on_failure is not None:
             on_failure(reason)
 
-    @asynccontextmanager
-    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    started: list[EngineClient] = []  # the client of this lifespan, once started
+
+    async def start() -> None:
+        if started:
+            return
         client = client_factory()
         try:
             await client.start(on_failure=failed)
-            state.client = client
+        except BaseException:
+            await client.shutdown()
+            raise
+        state.client = client
+        started.append(client)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            await start()
             yield
         finally:
-            log.info("stopping the engine")
-            await client.shutdown()
+            if started:
+                log.info("stopping the engine")
+                await started.pop().shutdown()
 
     routes = [
         Route("/v1/chat/completions", _route(state, "chat", create_chat_completion),
@@ -112,6 +130,13 @@ def build_app(
         Route("/metrics", _route(state, "metrics", _metrics), methods=["GET"]),
         Route("/version", _route(state, "version", _version), methods=["GET"]),
     ]
-    return Starlette(
+    app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
     )
+    app.state.start_engine = start
+    return app
+
+
+async def start_engine(app: Starlette) -> None:
+    """Make and start the app's engine client now (once); raises what its start raises."""
+    await app.state.start_engine()

@@ -1,6 +1,10 @@
-"""Run the API server: uvicorn on uvloop, engine started in the app's lifespan.
+"""Run the API server: the engine first, then uvicorn on uvloop.
 
-SIGINT/SIGTERM: uvicorn shuts down gracefully, the lifespan stops the engine, exit code 0.
+The engine starts before uvicorn does, so a model or engine that cannot start raises
+(ModelConfigError, EngineStartupError) out of `serve` before any socket is bound or uvicorn logs
+a line: the command prints it as one error line.
+SIGINT/SIGTERM: uvicorn shuts down gracefully, the lifespan stops the engine, exit code 0 (during
+the engine's start: the engine is stopped once started, exit code 0).
 Engine failure: the reason is logged, uvicorn is told to exit, exit code 1.
 """
 
@@ -9,13 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import sys
 from collections.abc import Iterator
 
 import uvicorn
+from starlette.applications import Starlette
 
 from engine.config import EngineConfig
-from frontend.server.app import build_app
+from frontend.server.app import build_app, start_engine
 from frontend.server.state import ServerState
 
 log = logging.getLogger("deepinfer.server")
@@ -40,6 +46,21 @@ def _loop_factory():
         return asyncio.new_event_loop
 
 
+async def _start_engine(app: Starlette) -> bool:
+    """Start the engine; True if SIGINT/SIGTERM came meanwhile (uvicorn's handlers are not in
+    place yet: the start completes, then the caller stops it instead of serving)."""
+    loop = asyncio.get_running_loop()
+    signalled = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, signalled.set)
+    try:
+        await start_engine(app)
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(sig)
+    return signalled.is_set()
+
+
 def serve(
     config: EngineConfig,
     host: str = "127.0.0.1",
@@ -48,7 +69,8 @@ def serve(
     log_level: str = "info",
     access_log: bool = False,
 ) -> int:
-    """Serve until a signal (exit code 0) or an engine failure (exit code 1)."""
+    """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
+    cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
     from engine.runtime.async_client import AsyncEngineClient
 
     state = ServerState(max_pending, model_aliases=(config.model,))
@@ -68,8 +90,15 @@ def serve(
         timeout_graceful_shutdown=5, lifespan="on",
     )
     server = _Server(uv_config)
+    signalled = False
 
     async def run() -> None:
+        nonlocal signalled
+        signalled = await _start_engine(app)
+        if signalled:
+            assert state.client is not None
+            await state.client.shutdown()
+            return
         task = asyncio.create_task(server.serve())
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
@@ -79,6 +108,8 @@ def serve(
 
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         runner.run(run())
+    if signalled:
+        return 0
     if not server.started:
         print("DeepInfer: the server failed to start (see the log above)", file=sys.stderr)
         return 1

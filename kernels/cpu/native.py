@@ -2,12 +2,15 @@
 
 A NativeOp compiles its C++ source once (~10 s, cached under the torch extensions dir, keyed by
 the CPU's flags and the torch version, since the code is built with -march=native) and never
-raises from `available()`: callers fall back to plain torch when there is no compiler.
+raises from `available()`: callers fall back to plain torch when there is no compiler. That
+fallback is logged once per op, as a warning with the build error: it costs several times the
+decode speed, and must not pass unnoticed (as it did when an installed wheel lacked csrc/).
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -16,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+log = logging.getLogger("deepinfer.kernels")
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
@@ -61,6 +66,10 @@ class NativeOp:
                     self.op = getattr(torch.ops.deepinfer_cpu, self.op_name)
                 except Exception as e:  # no compiler / ninja / headers: callers fall back
                     self.error = f"{type(e).__name__}: {e}"
+                    log.warning(
+                        "native CPU op %s could not be built from %s, so DeepInfer falls back to "
+                        "plain torch for it (CPU decode several times slower): %s",
+                        self.name, self.source, self.error)
         return self.op
 
     def available(self, *tensors: torch.Tensor | None) -> bool:

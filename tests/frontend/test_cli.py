@@ -1,4 +1,4 @@
-"""The `deepinfer` command line: argument mapping and first-use model preparation."""
+"""The `deepinfer` command line: argument mapping, first-use model preparation, one-line errors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from engine import model_store
+from engine.config import ModelConfigError
 from frontend import cli
+from tests.engine.model_store.tiny_gguf import use_tiny_default_model
 
 
 def test_serve_args_map_to_engine_config():
@@ -28,29 +31,47 @@ def test_generate_and_bench_args():
     assert args.endpoint == "/v1/completions"
 
 
-def test_default_model_prepared_on_first_use(tmp_path, monkeypatch):
-    monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path / "cache"))
-    script = tmp_path / "prepare.py"
-    target = tmp_path / "cache" / cli.DEFAULT_MODEL_NAME / "model.safetensors"
-    script.write_text(f"from pathlib import Path\np = Path({str(target)!r})\n"
-                      "p.parent.mkdir(parents=True)\np.write_text('w')\n")
-    monkeypatch.setattr(cli, "_PREPARE_SCRIPT", script)
-    cli.ensure_model("/some/other/model")  # not the default: nothing to do
+@pytest.fixture()
+def tiny_default(tmp_path, monkeypatch) -> Path:
+    return use_tiny_default_model(tmp_path / "cache", monkeypatch)
+
+
+def test_default_model_prepared_on_first_use(tiny_default, tmp_path, capfd):
+    target = tiny_default / cli.DEFAULT_MODEL_NAME
+    model = tmp_path / "other"
+    with pytest.raises(ModelConfigError, match="does not exist"):
+        cli.ensure_model(str(model))  # not a named model: checked, not prepared
     assert not target.exists()
-    cli.ensure_model("default")
-    assert target.exists()
-    cli.ensure_model("default")  # prepared: no second run
+    assert cli.ensure_model("default") == "default"  # engine.config resolves it
+    assert model_store.is_prepared(target)
+    assert "dequantizing" in capfd.readouterr().err  # progress on stderr
+    stamp = (target / "model.safetensors").stat().st_mtime_ns
+    assert cli.ensure_model(cli.DEFAULT_MODEL_NAME) == cli.DEFAULT_MODEL_NAME
+    assert (target / "model.safetensors").stat().st_mtime_ns == stamp  # prepared: no second run
 
 
-def test_missing_prepare_script_says_what_to_do(tmp_path, monkeypatch):
+def test_prepare_model_command(tiny_default, capsys):
+    assert cli.main(["prepare-model"]) == 0
+    out = capsys.readouterr().out.strip()
+    assert out == str(tiny_default / cli.DEFAULT_MODEL_NAME)
+    assert model_store.is_prepared(tiny_default / cli.DEFAULT_MODEL_NAME)
+    assert cli.main(["prepare-model", "nope"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("deepinfer: error: no model named 'nope'") and err.count("\n") == 1
+
+
+def test_missing_model_errors_name_prepare_model(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DEEPINFER_CACHE", str(tmp_path))
-    monkeypatch.setattr(cli, "_PREPARE_SCRIPT", Path(tmp_path / "absent.py"))
-    with pytest.raises(SystemExit) as exc:
-        cli.ensure_model("default")
-    assert "prepare_default_model" in str(exc.value)
+    with pytest.raises(ModelConfigError, match="deepinfer prepare-model"):
+        model_store.check_model_dir(tmp_path / cli.DEFAULT_MODEL_NAME)
+    assert cli.main(["generate", "--model", str(tmp_path / "absent"), "--prompt", "hi"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("deepinfer: error:") and "prepare-model" in err
 
 
 def test_scripts_are_thin_wrappers():
     root = Path(__file__).resolve().parents[2]
     assert "frontend.cli import main" in (root / "scripts/launch_server.py").read_text()
     assert "frontend.bench.serving import main" in (root / "scripts/bench_serving.py").read_text()
+    prepare = (root / "scripts/prepare_default_model.py").read_text()
+    assert "frontend.cli import main" in prepare and "prepare-model" in prepare

@@ -1,15 +1,28 @@
-"""A real server whose engine dies: in-flight requests get a 5xx and the server exits non-zero."""
+"""A real server whose engine dies: in-flight requests get a 5xx and the server exits non-zero;
+one whose engine cannot start prints one error line and exits 1 before uvicorn starts."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+from starlette.testclient import TestClient
 
-from tests.frontend.server_process import ServerProcess, descendants
+from engine.config import ModelConfigError
+from engine.runtime.launcher import EngineStartupError
+from tests.frontend.fake_engine import FakeEngineClient
+from tests.frontend.server_process import REPO, ServerProcess, descendants, free_port
 
 
 def test_engine_death_fails_requests_and_exits(tiny_model_dir):
@@ -42,3 +55,96 @@ def test_engine_death_fails_requests_and_exits(tiny_model_dir):
         assert not [p for p in engine_pids if os.path.exists(f"/proc/{p}")]
     finally:
         srv.stop()
+
+
+# --- Start-up failures: one line, exit code 1, before uvicorn starts --------------------------
+
+def _serve_failing(model: Path, timeout: float = 60.0) -> tuple[subprocess.CompletedProcess, float]:
+    cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model),
+           "--port", str(free_port())]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    t0 = time.monotonic()
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=timeout, start_new_session=True)
+    return proc, time.monotonic() - t0
+
+
+def _assert_one_error_line(proc: subprocess.CompletedProcess, *causes: str) -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 1, output
+    assert "Traceback" not in output, output
+    assert "Uvicorn running" not in output and "Waiting for application startup" not in output
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, output
+    assert errors[0].startswith("deepinfer: error: "), output
+    for cause in causes:
+        assert cause in errors[0], output
+
+
+def test_missing_model_dir_is_one_line():
+    proc, took = _serve_failing(Path("/nonexistent"))
+    _assert_one_error_line(proc, "/nonexistent does not exist", "deepinfer prepare-model")
+    assert took < 20, took  # no engine was started
+
+
+def _worker_raises_model_config_error() -> bool:
+    from workers.models import model_class
+
+    try:
+        model_class("FooForCausalLM")
+    except ModelConfigError:
+        return True
+    except ValueError:
+        return False
+    return False
+
+
+@pytest.mark.xfail(not _worker_raises_model_config_error(), raises=AssertionError, strict=True,
+                   reason="workers.models.model_class raises a plain ValueError (with a traceback "
+                          "in the worker's log) until it raises ModelConfigError")
+def test_unsupported_architecture_is_one_line(default_model, tmp_path):
+    model = tmp_path / "foo"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
+                 "generation_config.json"):
+        if (default_model / name).exists():
+            shutil.copy(default_model / name, model / name)
+    config = json.loads((default_model / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    save_file({"x": np.zeros(1, np.float32)}, str(model / "model.safetensors"))
+    proc, took = _serve_failing(model)
+    _assert_one_error_line(proc, "worker0", "FooForCausalLM", "not supported")
+    assert took < 60, took
+
+
+class _FailingClient(FakeEngineClient):
+    async def start(self, on_failure=None) -> None:
+        raise EngineStartupError("worker0 failed to start: ModelConfigError: nope")
+
+
+def test_the_engine_starts_before_serving_and_once():
+    import asyncio
+
+    from frontend.server.app import build_app, start_engine
+    from frontend.server.state import ServerState
+
+    made: list[FakeEngineClient] = []
+
+    def factory() -> FakeEngineClient:
+        made.append(FakeEngineClient())
+        return made[-1]
+
+    state = ServerState(8)
+    app = build_app(state, factory)
+    asyncio.run(start_engine(app))
+    assert len(made) == 1 and made[0].started and state.client is made[0]
+    with TestClient(app) as http:  # the lifespan does not start a second engine
+        assert http.get("/health").status_code == 200
+    assert len(made) == 1 and made[0].stopped
+
+    failing = _FailingClient()
+    app = build_app(ServerState(8), lambda: failing)
+    with pytest.raises(EngineStartupError, match="ModelConfigError: nope"):
+        asyncio.run(start_engine(app))
+    assert failing.stopped  # whatever it had started is stopped

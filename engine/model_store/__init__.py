@@ -1,0 +1,11 @@
+"""Models DeepInfer prepares by itself (`deepinfer prepare-model`) and the checks on a model
+directory, with no torch or transformers: a plain install can prepare and serve its default model.
+"""
+
+from engine.model_store.errors import ModelPrepareError
+from engine.model_store.prepare import is_prepared, prepare, prepared_dir, recipe_for
+from engine.model_store.recipes import RECIPES, Recipe, find_recipe
+from engine.model_store.validate import check_model_dir
+
+__all__ = ["RECIPES", "ModelPrepareError", "Recipe", "check_model_dir", "find_recipe",
+           "is_prepared", "prepare", "prepared_dir", "recipe_for"]

@@ -1,0 +1,148 @@
+"""The built wheel, installed into a fresh venv, works from anywhere (slow: ~2-4 min).
+
+It must carry the native kernels' C++ sources (they are compiled on first use) and everything
+`deepinfer prepare-model` needs; then `deepinfer serve` from that venv, started outside the
+checkout, answers the default model's known greedy reply, with every native op built.
+To avoid downloading torch, the fresh venv sees the running interpreter's site-packages through a
+.pth file: a plain path line, so the editable install's finder there is not activated and
+DeepInfer comes from the wheel alone.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import zipfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.frontend.server_process import free_port
+
+REPO = Path(__file__).resolve().parents[1]
+CSRC = sorted(p.name for p in (REPO / "kernels/cpu/csrc").iterdir()
+              if p.suffix in (".cpp", ".h"))
+FALLBACK = "could not be built"  # kernels/cpu/native.py's warning
+
+pytestmark = pytest.mark.slow
+
+CHECK_INSTALL = """
+import logging, sys
+from pathlib import Path
+import torch
+import engine, kernels
+from kernels.cpu import attention, decode_layer, fused, linear
+logging.basicConfig(level=logging.WARNING)
+site = Path(sys.argv[1]).resolve()
+for pkg in (engine, kernels):
+    assert Path(pkg.__file__).resolve().is_relative_to(site), pkg.__file__
+csrc = Path(kernels.__file__).parent / "cpu" / "csrc"
+print("csrc", sorted(p.name for p in csrc.iterdir()))
+x = torch.zeros(2, 2)
+for op in (linear, fused, attention, decode_layer):
+    assert op.available(x), (op.__name__, op.build_error())
+print("native ops built")
+"""
+
+
+def _source_tree(dest: Path) -> Path:
+    """The checkout's files as git sees them (tracked and new, not ignored): no build/ or
+    .egg-info leftovers in the wheel, and nothing written into the checkout."""
+    files = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
+        capture_output=True, check=True).stdout.decode().split("\0")
+    for name in filter(None, files):
+        if (REPO / name).is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / name, dest / name)
+    return dest
+
+
+def _run(cmd: list, timings: dict, step: str, **kwargs) -> subprocess.CompletedProcess:
+    t0 = time.monotonic()
+    proc = subprocess.run([str(c) for c in cmd], capture_output=True, text=True, **kwargs)
+    timings[step] = time.monotonic() - t0
+    assert proc.returncode == 0, f"{step}:\n{proc.stdout}\n{proc.stderr}"
+    return proc
+
+
+def test_wheel_installs_prepares_and_serves(tmp_path):
+    timings: dict[str, float] = {}
+    src = _source_tree(tmp_path / "src")
+    _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", tmp_path / "dist", "."],
+         timings, "pip wheel", cwd=src)
+    (wheel,) = (tmp_path / "dist").glob("deepinfer-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"kernels/cpu/csrc/{n}" for n in CSRC} <= names, sorted(names)
+    assert "engine/model_store/prepare.py" in names
+
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", venv], timings, "venv")
+    py, bin_dir = venv / "bin" / "python", venv / "bin"
+    _run([py, "-m", "pip", "install", "-q", "--no-deps", "--no-index", wheel], timings,
+         "pip install")
+    site = Path(_run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                     timings, "site").stdout.strip())
+    # After the install, so pip never sees the dev environment's (editable) deepinfer.
+    (site / "dev-site-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    env |= {"DEEPINFER_CACHE": str(tmp_path / "cache"), "TOKENIZERS_PARALLELISM": "false",
+            "TORCH_EXTENSIONS_DIR": str(tmp_path / "torch_extensions"),
+            "PATH": f"{bin_dir}{os.pathsep}{env.get('PATH', '')}"}
+    check = _run([py, "-c", CHECK_INSTALL, site], timings, "native builds", cwd=elsewhere,
+                 env=env)
+    assert f"csrc {CSRC}" in check.stdout and "native ops built" in check.stdout, check.stdout
+    assert FALLBACK not in check.stderr, check.stderr
+
+    prep = _run([bin_dir / "deepinfer", "prepare-model"], timings, "prepare-model",
+                cwd=elsewhere, env=env)
+    model_dir = Path(prep.stdout.strip().splitlines()[-1])
+    assert model_dir == tmp_path / "cache" / "SmolLM2-135M-Instruct"
+    assert (model_dir / "model.safetensors").exists()
+
+    port = free_port()
+    log = (tmp_path / "serve.log").open("w+")
+    t0 = time.monotonic()
+    server = subprocess.Popen([bin_dir / "deepinfer", "serve", "--model", "default", "--port",
+                               str(port)], cwd=elsewhere, env=env, stdout=log,
+                              stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        while time.monotonic() - t0 < 300:
+            assert server.poll() is None, Path(log.name).read_text()
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        timings["serve start"] = time.monotonic() - t0
+        t0 = time.monotonic()
+        reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={
+            "model": "default", "temperature": 0, "max_tokens": 32,
+            "messages": [{"role": "user",
+                          "content": "What is the capital of France? Answer briefly."}]})
+        timings["chat completion"] = time.monotonic() - t0
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["message"]["content"] == \
+            "The capital of France is Paris."
+    finally:
+        server.send_signal(signal.SIGTERM)
+        try:
+            server.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait(5)
+    output = Path(log.name).read_text()
+    assert server.returncode == 0, output
+    assert FALLBACK not in output and "Traceback" not in output, output
+    print("timings (s):", {k: round(v, 1) for k, v in timings.items()})
