@@ -30,6 +30,8 @@ _ENGINE_ARGS = [
     ("--host-kv-cache-gb", float, "host-memory tier for evicted prefix-cache blocks (0: off)"),
     ("--swa-replay", str, "sliding-window rebuild after a prefix hit: window (W tokens) or exact"),
     ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
+    ("--cpu-linear-weights", str, "copies of each linear weight on CPU: both (fastest, 2x "
+     "memory), packed, plain, or auto (both while cheap, default)"),
 ]
 # On/off switches (--x / --no-x); unset keeps the default.
 _ENGINE_SWITCHES = [
@@ -59,23 +61,10 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, **engine_kwargs(args))
 
 
-def ensure_model(model: str) -> str:
-    """The --model value to run, checked: a named model is prepared on first use (progress on
-    stderr); a directory must look like a model. Raises ModelConfigError."""
-    recipe = model_store.find_recipe(model)
-    if recipe is not None:
-        path = model_store.prepare(recipe.name)
-        # 'default' keeps its name (engine.config resolves it; clients may ask for it by name).
-        if EngineConfig(model=model).resolved_model_dir() != str(path):
-            model = str(path)
-    model_store.check_model_dir(EngineConfig(model=model).resolved_model_dir())
-    return model
-
-
 def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
-    args.model = ensure_model(args.model)
+    args.model = model_store.ensure_model(args.model)
     return serve(engine_config(args), args.host, args.port, args.max_pending,
                  args.log_level, args.access_log)
 
@@ -85,7 +74,7 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.runtime.llm import LLM
     from engine.tokenizer.tokenizer import Tokenizer
 
-    args.model = ensure_model(args.model)
+    args.model = model_store.ensure_model(args.model)
     config = engine_config(args)
     chat = args.chat
     if chat is None:

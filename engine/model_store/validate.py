@@ -1,14 +1,18 @@
-"""Is this a model directory the engine can start on? Answered before any process starts, as
-one line the user can act on (ModelConfigError), instead of a traceback from deep inside."""
+"""Is this a model the engine can start on? Answered before any process starts, as one line the
+user can act on (ModelConfigError), instead of a traceback from deep inside.
+
+`ensure_model` is what every entry point (`deepinfer serve` / `generate`, the offline `LLM`)
+calls first: a named model is prepared on first use, a directory is checked.
+"""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from engine import envs
-from engine.config import ModelConfigError
-from engine.model_store.recipes import RECIPES
+from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.model_store.prepare import prepare
+from engine.model_store.recipes import RECIPES, find_recipe
 
 
 def _hint(path: Path) -> str:
@@ -23,19 +27,25 @@ def check_model_dir(model_dir: str | Path) -> None:
     """Raise ModelConfigError unless `model_dir` holds a parseable config.json, safetensors
     weights and a tokenizer.json."""
     path = Path(model_dir)
-    if not path.is_dir():
-        raise ModelConfigError(f"model directory {path} does not exist{_hint(path)}")
-    config = path / "config.json"
-    if not config.is_file():
-        raise ModelConfigError(f"{path} has no config.json: not a Hugging Face model directory"
-                               f"{_hint(path)}")
     try:
-        parsed = json.loads(config.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ModelConfigError(f"{config} cannot be read: {e}") from None
-    if not isinstance(parsed, dict):
-        raise ModelConfigError(f"{config} is not a JSON object")
+        ModelConfig.from_dir(str(path))
+    except ModelConfigError as exc:
+        hint = "" if (path / "config.json").is_file() else _hint(path)
+        raise ModelConfigError(f"{exc}{hint}") from None
     if not any(path.glob("*.safetensors")):
         raise ModelConfigError(f"{path} has no *.safetensors weights")
     if not (path / "tokenizer.json").is_file():
         raise ModelConfigError(f"{path} has no tokenizer.json")
+
+
+def ensure_model(model: str) -> str:
+    """The --model value to run, checked: a named model is prepared on first use (progress on
+    stderr); a directory must look like a model. Raises ModelConfigError."""
+    recipe = find_recipe(model)
+    if recipe is not None:
+        path = prepare(recipe.name)
+        # 'default' keeps its name (engine.config resolves it; clients may ask for it by name).
+        if EngineConfig(model=model).resolved_model_dir() != str(path):
+            model = str(path)
+    check_model_dir(EngineConfig(model=model).resolved_model_dir())
+    return model

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import msgspec
 
+from engine import model_store
 from engine.config import EngineConfig
 from engine.protocol import (
     ChatMessage,
@@ -40,7 +41,8 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **engine_args) -> None:
-        self.config = EngineConfig(model=model, **engine_args)
+        # A named model is prepared on first use; a directory is checked (ModelConfigError).
+        self.config = EngineConfig(model=model_store.ensure_model(model), **engine_args)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()

@@ -15,7 +15,7 @@ from importlib import metadata
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -46,6 +46,8 @@ def _route(state: ServerState, name: str, handler: Handler):
             response = await handler(state, request)
         except APIError as exc:
             response = exc.response()
+        except ClientDisconnect:  # gone while sending its body: nobody to answer
+            response = Response(status_code=499)
         except Exception:
             log.exception("unhandled error in %s", name)
             response = APIError("internal server error", 500, type="server_error").response()

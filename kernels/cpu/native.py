@@ -27,8 +27,9 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp"]
 
 def _build_tag() -> str:
     """Keys the cached build: -march=native code must not run on another CPU, nor an old build
-    against another torch."""
-    flags = f"{platform.machine()} {torch.__version__}"
+    against another torch; and two installs (a checkout, a wheel) must not rebuild each other's
+    copy on every start, as they would under one name with different source paths."""
+    flags = f"{platform.machine()} {torch.__version__} {Path(__file__).parent.resolve()}"
     for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):  # not tracked by torch
         flags += header.read_text()
     try:

@@ -11,8 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from engine import LLM, SamplingParams
+from engine.config import ModelConfigError
 from engine.runtime.launcher import EngineStartupError
 
 
@@ -91,7 +94,10 @@ def test_worker_that_cannot_load_reports_why(tiny_model_dir, tmp_path):
     broken.mkdir()
     for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
         (broken / name).write_bytes((tiny_model_dir / name).read_bytes())
-    with pytest.raises(EngineStartupError, match="worker0.*safetensors"):
+    with pytest.raises(ModelConfigError, match="safetensors"):  # checked before any process
+        LLM(str(broken), num_kv_blocks=8)
+    save_file({"not.a.weight": torch.zeros(2)}, str(broken / "model.safetensors"))
+    with pytest.raises(EngineStartupError, match="worker0.*not.a.weight"):
         LLM(str(broken), num_kv_blocks=8)
 
 

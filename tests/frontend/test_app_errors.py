@@ -137,3 +137,19 @@ def test_engine_failure_mid_stream_is_in_band():
     assert state.pending == 0
 
 
+
+
+def test_a_client_gone_while_sending_its_body_is_499_not_500(state):
+    import asyncio
+
+    from starlette.requests import ClientDisconnect, Request
+
+    from frontend.server.app import _route
+
+    async def handler(state, request):
+        raise ClientDisconnect()
+
+    endpoint = _route(state, "chat", handler)
+    response = asyncio.run(endpoint(Request({"type": "http", "method": "POST", "headers": []})))
+    assert response.status_code == 499
+    assert state.metrics.requests.labels("chat", "499")._value.get() == 1

@@ -40,13 +40,13 @@ def test_default_model_prepared_on_first_use(tiny_default, tmp_path, capfd):
     target = tiny_default / cli.DEFAULT_MODEL_NAME
     model = tmp_path / "other"
     with pytest.raises(ModelConfigError, match="does not exist"):
-        cli.ensure_model(str(model))  # not a named model: checked, not prepared
+        model_store.ensure_model(str(model))  # not a named model: checked, not prepared
     assert not target.exists()
-    assert cli.ensure_model("default") == "default"  # engine.config resolves it
+    assert model_store.ensure_model("default") == "default"  # engine.config resolves it
     assert model_store.is_prepared(target)
     assert "dequantizing" in capfd.readouterr().err  # progress on stderr
     stamp = (target / "model.safetensors").stat().st_mtime_ns
-    assert cli.ensure_model(cli.DEFAULT_MODEL_NAME) == cli.DEFAULT_MODEL_NAME
+    assert model_store.ensure_model(cli.DEFAULT_MODEL_NAME) == cli.DEFAULT_MODEL_NAME
     assert (target / "model.safetensors").stat().st_mtime_ns == stamp  # prepared: no second run
 
 

@@ -19,7 +19,6 @@ import pytest
 from safetensors.numpy import save_file
 from starlette.testclient import TestClient
 
-from engine.config import ModelConfigError
 from engine.runtime.launcher import EngineStartupError
 from tests.frontend.fake_engine import FakeEngineClient
 from tests.frontend.server_process import REPO, ServerProcess, descendants, free_port
@@ -87,21 +86,6 @@ def test_missing_model_dir_is_one_line():
     assert took < 20, took  # no engine was started
 
 
-def _worker_raises_model_config_error() -> bool:
-    from workers.models import model_class
-
-    try:
-        model_class("FooForCausalLM")
-    except ModelConfigError:
-        return True
-    except ValueError:
-        return False
-    return False
-
-
-@pytest.mark.xfail(not _worker_raises_model_config_error(), raises=AssertionError, strict=True,
-                   reason="workers.models.model_class raises a plain ValueError (with a traceback "
-                          "in the worker's log) until it raises ModelConfigError")
 def test_unsupported_architecture_is_one_line(default_model, tmp_path):
     model = tmp_path / "foo"
     model.mkdir()

@@ -10,7 +10,7 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.config import ModelInfo
+from engine.config import ModelConfig
 from engine.model_store.convert import convert_gguf
 from engine.model_store.errors import ModelPrepareError
 from engine.model_store.gguf_tokenizer import build_tokenizer
@@ -54,7 +54,7 @@ def test_config_and_generation_config(tmp_path):
     assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (1, 2, 2)
     gen = json.loads((out / "generation_config.json").read_text())
     assert gen["eos_token_id"] == 2
-    info = ModelInfo.from_dir(str(out))
+    info = ModelConfig.from_dir(str(out))
     assert (info.num_layers, info.num_kv_heads, info.head_dim, info.eos_token_ids) == (
         tiny_gguf.LAYERS, tiny_gguf.KV_HEADS, tiny_gguf.HEAD_DIM, (2,))
 

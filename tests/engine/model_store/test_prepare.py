@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 
 import pytest
@@ -70,6 +71,11 @@ def test_check_model_dir_says_what_to_do(tmp_path, monkeypatch):
     with pytest.raises(ModelConfigError, match="config.json cannot be read"):
         model_store.check_model_dir(tmp_path / "m")
     (tmp_path / "m" / "config.json").write_text("{}")
+    with pytest.raises(ModelConfigError, match="cannot be read: KeyError"):
+        model_store.check_model_dir(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps(dict(
+        num_attention_heads=2, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+        vocab_size=10)))
     with pytest.raises(ModelConfigError, match="no \\*.safetensors"):
         model_store.check_model_dir(tmp_path / "m")
     (tmp_path / "m" / "model.safetensors").write_bytes(b"")
