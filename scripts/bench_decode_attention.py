@@ -1,7 +1,7 @@
 """A/B of native decode-attention kernel sources in one process (the machine is too noisy for
 separate runs): each source is built under its own op namespace and timed in alternation.
 
-    .venv/bin/python scripts/bench_decode_attention.py OLD.cpp kernels/csrc/paged_attention.cpp
+    .venv/bin/python scripts/bench_decode_attention.py OLD.cpp kernels/cpu/csrc/paged_attention.cpp
 
 Each (batch, context) case: layers of random paged K/V (blocks scattered over the pool), every
 kernel timed six times in turn over all layers; prints median and best ms per layer.
@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.cpp_extension import load
 
-CSRC = Path(__file__).resolve().parent.parent / "kernels" / "csrc"
+CSRC = Path(__file__).resolve().parent.parent / "kernels" / "cpu" / "csrc"
 CASES = ((64, 144, 30), (8, 4096, 8), (2, 16384, 4), (1, 256, 30))  # batch, context, layers
 
 
