@@ -51,6 +51,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while
     # the second copy costs at most an eighth of RAM).
     cpu_linear_weights: str = "auto"
+    # Speculative decoding: None (off), "ngram" (prompt lookup), "draft" (a smaller model with
+    # the same tokenizer, --speculative-model) or "mtp" (the model's own multi-token heads).
+    speculative_method: str | None = None
+    num_speculative_tokens: int = 3  # drafts per step (3: a batch-1 verify is 4 rows)
+    speculative_model: str | None = None
+    ngram_min: int = 2  # shortest suffix n-gram looked up in the request's own tokens
+    ngram_max: int = 4
+    # No speculation in a step with more running requests than this (None: no limit).
+    speculative_disable_by_batch_size: int | None = None
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):

@@ -53,6 +53,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     # None: no logprobs. k >= 0: the chosen token's logprob plus the top-k alternatives.
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    # Per-request opt-out of speculative decoding (the engine decides when it is on).
+    speculative: bool = True
 
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
@@ -130,6 +132,11 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     host_blocks_used: int = 0
     host_blocks_out: int = 0  # blocks copied to the host tier (evictions kept)
     host_blocks_in: int = 0  # blocks copied back on a hit
+    spec_verify_steps: int = 0  # (request, step) pairs that verified at least one draft
+    spec_draft_tokens: int = 0  # draft tokens proposed and verified
+    spec_accepted_tokens: int = 0  # of which the target accepted
+    spec_drafts_by_position: list[int] = []  # drafts proposed at draft position 0, 1, ...
+    spec_accepted_by_position: list[int] = []  # accepted at draft position 0, 1, ...
     num_preemptions: int = 0
     num_steps: int = 0
     prompt_tokens_total: int = 0
@@ -212,6 +219,9 @@ class ScheduledSeq(msgspec.Struct, **_STRUCT):
     full_kv_from: int = 0
     # Sliding layers hold no K/V below this position (replay start): keys there are masked.
     window_from: int = 0
+    # Speculative decoding: KV slots reserved after the input token for up to this many draft
+    # tokens, which the worker proposes and verifies in this step (0: a plain decode).
+    draft_slots: int = 0
 
 
 class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
@@ -231,11 +241,19 @@ class Shutdown(msgspec.Struct, tag=True, **_STRUCT):
 
 
 class StepResult(msgspec.Struct, tag=True, **_STRUCT):
-    """Rank 0's answer: one sampled token per seq with sample=True, in plan order."""
+    """Rank 0's answer: the new tokens of every seq with sample=True, in plan order.
+
+    A plain seq gets one token; a speculating one 1..draft_slots+1 (its accepted drafts, then
+    the target's own next token). `num_sampled` (int32 per sampled seq) is empty when every
+    seq got exactly one; `num_drafts` (int32 per sampled seq) says how many drafts the worker
+    proposed for it, empty when none speculated.
+    """
 
     step_id: int
-    sampled_ids: bytes
-    logprobs: list[SampledLogprobs | None] = []  # per sampled seq, when any asked for them
+    sampled_ids: bytes  # int32, all new tokens back to back
+    logprobs: list[SampledLogprobs | None] = []  # per new token, when any request asked
+    num_sampled: bytes = b""
+    num_drafts: bytes = b""
     forward_ms: float = 0.0
     sample_ms: float = 0.0
 
