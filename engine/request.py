@@ -20,7 +20,7 @@ class Request:
         "request_id", "prompt_ids", "output_ids", "params", "num_computed", "tables",
         "status", "finish_reason", "arrival", "hit_tokens", "cached_tokens", "max_len",
         "sent_to_workers", "num_pending", "cache_node", "window_from", "full_kv_from",
-        "replayed_tokens",
+        "replayed_tokens", "spec_in_flight", "spec_misses", "spec_backoff",
     )
 
     def __init__(
@@ -47,8 +47,11 @@ class Request:
         self.max_len = max_len  # prompt + output may not exceed this (context, KV capacity)
         self.sent_to_workers = False
         # Tokens sampled by a step still in flight (overlap scheduling): known to the worker,
-        # not yet to us. At most one.
+        # not yet to us.
         self.num_pending = 0
+        self.spec_in_flight = False  # a speculating step is in flight: its new tokens unknown
+        self.spec_misses = 0  # consecutive verify steps whose proposer found no draft
+        self.spec_backoff = 0  # plain decode steps left before speculating again
 
     @property
     def num_tokens(self) -> int:

@@ -110,6 +110,15 @@ class KVManager:
                 self.allocators[self.sliding].free([table[j]])
                 table[j] = -1
 
+    def trim(self, req: Request, upto: int) -> None:
+        """Free the request's blocks past the ones `upto` tokens need (rejected draft slots)."""
+        keep = self.allocators[0].blocks_for(upto)
+        for g, table in enumerate(req.tables):
+            extra = [b for b in table[keep:] if b >= 0]
+            if extra:
+                self.allocators[g].free(extra)
+            del table[keep:]
+
     def release(self, req: Request) -> None:
         """Free the request's blocks (cached ones stay in the tree) and unpin its prefix."""
         for g, table in enumerate(req.tables):

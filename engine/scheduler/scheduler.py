@@ -24,6 +24,7 @@ from engine.protocol import (
     unpack_ids,
 )
 from engine.request import Request, Status
+from engine.spec.policy import SpecPolicy
 
 
 @dataclass(frozen=True)
@@ -40,12 +41,19 @@ class SchedulerConfig:
     prefix_caching: bool = True
     swa_replay_tokens: int | None = None  # None: the window W
     host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
+    num_speculative_tokens: int = 0  # draft slots a decode may get (0: no speculation)
+    speculative_disable_by_batch_size: int | None = None
 
 
 @dataclass
 class ScheduledStep:
     plan: StepPlan
     scheduled: list[tuple[Request, ScheduledSeq]] = field(default_factory=list)
+
+    @property
+    def speculative(self) -> bool:
+        """Some seq may return several tokens: the next step must wait for this one."""
+        return any(seq.draft_slots for seq in self.plan.seqs)
 
 
 class Scheduler:
@@ -66,6 +74,8 @@ class Scheduler:
         # No request may outgrow the context or the whole KV cache.
         self.max_len = min(config.context_len, config.num_blocks * config.block_size)
         self.allocator = self.kv.allocators[0]  # the full group's pool (tests, stats)
+        self.spec = SpecPolicy(config.num_speculative_tokens,
+                               config.speculative_disable_by_batch_size)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -116,6 +126,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def wants_speculation(self) -> bool:
+        """The next step could speculate if the one in flight were applied first."""
+        return self.spec.wants(self.running)
+
     # ------------------------------------------------------------------ the step
 
     def _preempt(self, req: Request) -> None:
@@ -136,24 +150,29 @@ class Scheduler:
     def schedule(self) -> ScheduledStep | None:
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
-        chosen: list[tuple[Request, int]] = []
+        chosen: list[tuple[Request, int, int]] = []  # (request, tokens, draft slots)
         # 1. running requests, oldest first: decodes and unfinished prefill chunks.
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.num_pending and req.length_exhausted():
-                i += 1  # its in-flight token is its last: nothing more to compute
+            if req.spec_in_flight or (req.num_pending and req.length_exhausted()):
+                # Its next position is unknown (a speculating step is in flight), or its
+                # in-flight token is its last: nothing to compute now.
+                i += 1
                 continue
             n = self._chunk(req, budget)
+            k = 0
+            if n == 1:
+                k = self.spec.draft_slots(req, len(self.running), budget - n, self.max_len)
             self.kv.drop_outside_window(req, req.num_computed)
-            need = self.kv.needs(req, req.num_computed + n)
+            need = self.kv.needs(req, req.num_computed + n + k)
             while not self.kv.can_allocate(need) and req.status == Status.RUNNING:
                 self._preempt(self.running[-1])  # the newest goes first
             if req.status != Status.RUNNING:
                 break
             self.kv.allocate(req, need)
-            chosen.append((req, n))
-            budget -= n
+            chosen.append((req, n, k))
+            budget -= n + k
             i += 1
         # 2. admit waiting requests while tokens, sequence slots and free blocks allow
         #    (not in a step that had to preempt: that would only thrash).
@@ -175,16 +194,16 @@ class Scheduler:
             req.status = Status.RUNNING
             self.kv.allocate(req, need)
             self.running.append(req)
-            chosen.append((req, n))
+            chosen.append((req, n, 0))
             budget -= n
         if not chosen:
             return None
         return self._build_plan(chosen)
 
-    def _build_plan(self, chosen: list[tuple[Request, int]]) -> ScheduledStep:
+    def _build_plan(self, chosen: list[tuple[Request, int, int]]) -> ScheduledStep:
         self._step_id += 1
         step = ScheduledStep(StepPlan(self._step_id, []))
-        for req, n in chosen:
+        for req, n, draft_slots in chosen:
             if not req.sent_to_workers:
                 step.plan.new_requests.append(
                     NewRequestInfo(req.request_id, req.prompt_ids.tobytes(), req.params))
@@ -200,9 +219,10 @@ class Scheduler:
             sample = start + n == req.total_tokens
             seq = ScheduledSeq(req.request_id, token_ids, start,
                                [pack_ids(t) for t in req.tables], sample,
-                               req.full_kv_from, req.window_from)
+                               req.full_kv_from, req.window_from, draft_slots)
             req.num_computed += n
             req.num_pending += sample
+            req.spec_in_flight = draft_slots > 0
             if start < req.num_prompt:
                 self.prompt_tokens_total += min(n, req.num_prompt - start)
             step.plan.seqs.append(seq)
@@ -217,30 +237,50 @@ class Scheduler:
         return step
 
     def update(self, step: ScheduledStep, result: StepResult) -> list[TokenDelta]:
-        """Apply sampled tokens; returns one delta per sampled request."""
+        """Apply the new tokens; returns one delta per sampled request."""
         sampled = unpack_ids(result.sampled_ids)
+        counts = unpack_ids(result.num_sampled) if result.num_sampled else None
+        drafts = unpack_ids(result.num_drafts) if result.num_drafts else None
         deltas: list[TokenDelta] = []
-        k = 0
+        k = pos = 0
         for req, seq in step.scheduled:
             if not seq.sample:
                 continue
-            token = int(sampled[k])
-            logprobs = result.logprobs[k] if result.logprobs else None
-            k += 1
+            n = int(counts[k]) if counts is not None else 1
+            new, logprobs = sampled[pos: pos + n], result.logprobs[pos: pos + n]
+            proposed = int(drafts[k]) if drafts is not None else 0
+            k, pos = k + 1, pos + n
             req.num_pending -= 1
+            if seq.draft_slots:
+                req.spec_in_flight = False
+                self.spec.record(req, proposed, n - 1)
             if req.status == Status.FINISHED:  # aborted, or finished by its previous token
                 continue
-            req.output_ids.append(token)
-            self.generation_tokens_total += 1
-            reason = req.check_finished(self.config.eos_token_ids)
+            kept, reason = self._append(req, new)
+            if seq.draft_slots:
+                # The accepted drafts' K/V (positions start+1..) was computed in this step;
+                # the rejected slots' blocks go back.
+                req.num_computed = seq.start_pos + 1 + min(n - 1, kept)
+                self.kv.trim(req, req.num_tokens)
             deltas.append(TokenDelta(
-                req.request_id, pack_ids([token]), [logprobs] if logprobs else [], reason,
-                prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0,
+                req.request_id, pack_ids(new[:kept]), [lp for lp in logprobs[:kept] if lp],
+                reason, prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0,
                 replayed_tokens=req.replayed_tokens,
             ))
             if reason is not None:
                 self._finish(req, reason)
         return deltas
+
+    def _append(self, req: Request, new) -> tuple[int, FinishReason | None]:
+        """Append new tokens until one finishes the request (stop id, EOS, max_tokens):
+        returns how many were kept and the finish reason. Later ones are dropped."""
+        for i, token in enumerate(new):
+            req.output_ids.append(int(token))
+            self.generation_tokens_total += 1
+            reason = req.check_finished(self.config.eos_token_ids)
+            if reason is not None:
+                return i + 1, reason
+        return len(new), None
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
@@ -261,4 +301,9 @@ class Scheduler:
             num_steps=self._step_id,
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.generation_tokens_total,
+            spec_verify_steps=self.spec.verify_steps,
+            spec_draft_tokens=self.spec.draft_tokens,
+            spec_accepted_tokens=self.spec.accepted_tokens,
+            spec_drafts_by_position=list(self.spec.drafts_by_position),
+            spec_accepted_by_position=list(self.spec.accepted_by_position),
         )

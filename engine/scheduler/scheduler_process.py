@@ -38,6 +38,8 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         prefix_caching=cfg.enable_prefix_caching,
         swa_replay_tokens=cfg.swa_replay_tokens(),
         host_blocks=cfg.host_kv_blocks(),
+        num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative_method else 0,
+        speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
     ))
 
 
@@ -60,6 +62,12 @@ class SchedulerLoop:
         while True:
             idle = in_flight is None and not self.scheduler.has_work()
             self._handle(self._drain(block=idle and not self.pending))
+            if in_flight is not None and (in_flight.speculative
+                                          or self.scheduler.wants_speculation()):
+                # A speculating step's new tokens (and so the next positions) are unknown
+                # until its result is applied: no overlap across it (engine/spec/policy.py).
+                self._finish_step(in_flight)
+                in_flight = None
             t0 = time.perf_counter()
             step = self.scheduler.schedule()
             self.stats.schedule_seconds += time.perf_counter() - t0

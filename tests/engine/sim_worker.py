@@ -7,6 +7,11 @@ through that position (a causal model's K/V at p depends on exactly those). Ever
 reads must hold the identity of the querying request's own prefix at that key's position;
 anything else (a stale block, a block another request overwrote, a host block recycled too
 early) is a wrong answer the real engine would have given silently.
+
+A seq with draft slots speculates as the real worker does: it proposes 0..k random drafts,
+writes their K/V (the identity of the draft path) and checks their queries, then accepts a
+random prefix of them plus one token of its own. A rejected draft's slot holds K/V of tokens the
+request never had: reading it later without rewriting it is caught like any other wrong slot.
 """
 
 from __future__ import annotations
@@ -27,12 +32,19 @@ class _Seq:
     tokens: list[int]  # prompt, then every token this worker sampled
     prefix_ids: list[int] = field(default_factory=list)  # identity of tokens[: p + 1]
 
-    def identity(self, pos: int) -> int:
-        while len(self.prefix_ids) <= pos:
+    def identity(self, pos: int, drafts: list[int] = ()) -> int:
+        """Identity of tokens[:pos + 1], the known tokens continued by `drafts`."""
+        known = len(self.tokens)
+        while len(self.prefix_ids) <= min(pos, known - 1):
             p = len(self.prefix_ids)
             prev = self.prefix_ids[-1] if self.prefix_ids else 0
             self.prefix_ids.append(hash((prev, self.tokens[p])))
-        return self.prefix_ids[pos]
+        if pos < known:
+            return self.prefix_ids[pos]
+        value = self.prefix_ids[-1]
+        for token in drafts[: pos - known + 1]:
+            value = hash((value, token))
+        return value
 
 
 class SlotError(AssertionError):
@@ -61,16 +73,26 @@ class SimulatedWorker:
             self.seqs[new.request_id] = _Seq(unpack_ids(new.prompt_ids).tolist())
         self._copy_blocks(plan)
         sampled: list[int] = []
+        counts: list[int] = []
+        proposed: list[int] = []
         for seq in plan.seqs:
-            end = self._run_seq(seq)
+            drafts = [self.sample.choice(self.vocab)
+                      for _ in range(self.sample.randint(0, seq.draft_slots))]
+            end = self._run_seq(seq, drafts)
             if seq.sample:
                 state = self.seqs[seq.request_id]
                 if end != len(state.tokens):
                     raise SlotError(f"{seq.request_id}: sampled before its last token")
-                token = self.sample.choice(self.vocab)
-                state.tokens.append(token)
-                sampled.append(token)
-        return StepResult(plan.step_id, pack_ids(sampled))
+                new = drafts[: self.sample.randint(0, len(drafts))]
+                new.append(self.sample.choice(self.vocab))
+                state.tokens += new
+                sampled += new
+                counts.append(len(new))
+                proposed.append(len(drafts))
+        speculated = any(seq.draft_slots for seq in plan.seqs)
+        return StepResult(plan.step_id, pack_ids(sampled),
+                          num_sampled=pack_ids(counts) if speculated else b"",
+                          num_drafts=pack_ids(proposed) if speculated else b"")
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         if not (plan.swap_out or plan.swap_in):
@@ -91,8 +113,9 @@ class SimulatedWorker:
             for o in range(bs):
                 self.device[full][dev * bs + o] = self.host.get(host * bs + o, CORRUPT)
 
-    def _run_seq(self, seq) -> int:
-        """Write the seq's K/V, check every key its queries read; returns its end position."""
+    def _run_seq(self, seq, drafts: list[int]) -> int:
+        """Write the seq's K/V (drafts after its input), check every key its queries read;
+        returns the end of its input."""
         state = self.seqs[seq.request_id]
         ids = unpack_ids(seq.token_ids).tolist()
         if not ids:  # overlap placeholder: the token this worker sampled last
@@ -100,13 +123,16 @@ class SimulatedWorker:
         n = len(ids)
         if state.tokens[seq.start_pos: seq.start_pos + n] != ids:
             raise SlotError(f"{seq.request_id}: plan tokens differ from the request's tokens")
-        positions = range(seq.start_pos, seq.start_pos + n)
+        if drafts and seq.start_pos + n != len(state.tokens):
+            raise SlotError(f"{seq.request_id}: drafts before the request's last token")
+        positions = range(seq.start_pos, seq.start_pos + n + len(drafts))
         for g, (kind, packed) in enumerate(zip(self.groups, seq.block_tables)):
             table = unpack_ids(packed)
             sliding = kind == SLIDING
             for p in positions:
                 if sliding or p >= seq.full_kv_from:
-                    self.device[g][self._slot(table, p, seq.request_id)] = state.identity(p)
+                    slot = self._slot(table, p, seq.request_id)
+                    self.device[g][slot] = state.identity(p, drafts)
             for q in positions:
                 lo = 0
                 if sliding:
@@ -115,7 +141,7 @@ class SimulatedWorker:
                         raise SlotError(f"{seq.request_id}: query at {q}, past the prefix hit, "
                                         "sees a window cut short by the replay start")
                 for key in range(lo, q + 1):
-                    self._check(g, table, key, state, seq.request_id, q)
+                    self._check(g, table, key, state, seq.request_id, q, drafts)
         return seq.start_pos + n
 
     def _slot(self, table: np.ndarray, pos: int, rid: str) -> int:
@@ -124,9 +150,10 @@ class SimulatedWorker:
             raise SlotError(f"{rid}: position {pos} has no block (table {table.tolist()})")
         return int(table[j]) * self.block_size + pos % self.block_size
 
-    def _check(self, g: int, table, key: int, state: _Seq, rid: str, q: int) -> None:
+    def _check(self, g: int, table, key: int, state: _Seq, rid: str, q: int,
+               drafts: list[int]) -> None:
         held = self.device[g].get(self._slot(table, key, rid))
-        if held != state.identity(key):
+        if held != state.identity(key, drafts):
             what = "nothing" if held is None else ("garbage" if held == CORRUPT else "another KV")
             raise SlotError(f"{rid}: query at {q} reads key {key} of group {self.groups[g]} "
                             f"holding {what}")

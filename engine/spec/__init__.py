@@ -1,0 +1,1 @@
+"""Speculative decoding bookkeeping the scheduler needs: draft slots, accepted counts."""
