@@ -48,35 +48,29 @@ class Sampler:
     ) -> tuple[torch.Tensor, list[SampledLogprobs | None]]:
         """logits: [S, V] float32, one row per state. Returns token ids [S] and logprobs."""
         raw = logits
-        if any(s.needs_penalties for s in states):
-            logits = apply_penalties(logits.clone(), states)
+        logits = penalized(logits, states)
         greedy = [s.params.is_greedy() for s in states]
         if all(greedy):
             tokens = logits.argmax(dim=-1)
         else:
             tokens = self._sample(logits, states, greedy)
-        return tokens, _logprobs(raw, tokens, states)
+        return tokens, logprob_entries(raw, tokens, states)
+
+    def uniform(self, state: SamplingState) -> float:
+        """One uniform draw from the request's own generator when it is seeded (its draws then
+        depend on nothing else in the batch), else from the engine's."""
+        return float(torch.rand(1, generator=state.generator or self.generator))
 
     def _sample(self, logits: torch.Tensor, states, greedy: list[bool]) -> torch.Tensor:
-        n, vocab = logits.shape
-        temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(states, greedy)])
-        logits = logits / temps.unsqueeze(1)
-        top_k = [s.params.top_k for s in states]
-        top_p = [s.params.top_p for s in states]
-        if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _top_k_top_p(logits, top_k, top_p)
-        probs = logits.softmax(dim=-1)
-        min_p = torch.tensor([s.params.min_p for s in states])
-        if bool((min_p > 0).any()):
-            limit = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-            probs = probs.masked_fill(probs < limit, 0.0)
-        u = torch.rand(n, 1, generator=self.generator)
+        vocab = logits.shape[1]
+        probs = processed_probs(logits, states, greedy)
+        u = torch.rand(len(states), 1, generator=self.generator)
         for i, s in enumerate(states):
             if s.generator is not None and not greedy[i]:
                 u[i] = torch.rand(1, generator=s.generator)
         cdf = probs.cumsum(dim=-1)
-        # Scaled by the row total: min-p may have zeroed part of the mass. right=True never
-        # lands on a zero-probability token (its cdf step is flat).
+        # Scaled by the row total (1 up to rounding). right=True never lands on a
+        # zero-probability token (its cdf step is flat).
         sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
         sampled.clamp_(max=vocab - 1)
         greedy_t = torch.tensor(greedy)
@@ -85,14 +79,46 @@ class Sampler:
         return sampled
 
 
-def apply_penalties(logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+def penalized(logits: torch.Tensor, states: list[SamplingState],
+              extra: list[list[int]] | None = None) -> torch.Tensor:
+    """The logits with each row's penalties applied (a copy when any applies). `extra[i]`:
+    tokens after row i's known output (drafts being verified), counted as output."""
+    if not any(s.needs_penalties for s in states):
+        return logits
+    return apply_penalties(logits.clone(), states, extra)
+
+
+def processed_probs(logits: torch.Tensor, states: list[SamplingState],
+                    greedy: list[bool] | None = None) -> torch.Tensor:
+    """The distribution each row is sampled from: temperature, top-k, top-p, then min-p, over
+    already-penalized logits; renormalized. Greedy rows (temperature 1 here) are only used
+    through their argmax. The draft model's proposals use the same function."""
+    if greedy is None:
+        greedy = [s.params.is_greedy() for s in states]
+    temps = torch.tensor([1.0 if g else s.params.temperature for s, g in zip(states, greedy)])
+    logits = logits / temps.unsqueeze(1)
+    top_k = [s.params.top_k for s in states]
+    top_p = [s.params.top_p for s in states]
+    if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
+        logits = _top_k_top_p(logits, top_k, top_p)
+    probs = logits.softmax(dim=-1)
+    min_p = torch.tensor([s.params.min_p for s in states])
+    if bool((min_p > 0).any()):
+        limit = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
+        probs = probs.masked_fill(probs < limit, 0.0)
+        probs = probs / probs.sum(dim=-1, keepdim=True)
+    return probs
+
+
+def apply_penalties(logits: torch.Tensor, states: list[SamplingState],
+                    extra: list[list[int]] | None = None) -> torch.Tensor:
     """Repetition (prompt + output, HF style), frequency and presence (output only)."""
     vocab = logits.shape[1]
     for i, s in enumerate(states):
         if not s.needs_penalties:
             continue
         p = s.params
-        out = torch.tensor(s.output_ids, dtype=torch.int64)
+        out = torch.tensor(s.output_ids + (extra[i] if extra else []), dtype=torch.int64)
         if p.repetition_penalty != 1.0:
             seen = torch.cat([s.prompt_ids.long(), out]).unique()
             row = logits[i, seen]
@@ -120,7 +146,10 @@ def _top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> 
     return torch.empty_like(logits).scatter_(1, order, sorted_logits)
 
 
-def _logprobs(raw: torch.Tensor, tokens: torch.Tensor, states) -> list[SampledLogprobs | None]:
+def logprob_entries(raw: torch.Tensor, tokens: torch.Tensor, states
+                    ) -> list[SampledLogprobs | None]:
+    """Per row: the chosen token's logprob (and the top-k) under the raw distribution, None
+    for rows whose request did not ask; [] when none did."""
     wanted = [s.params.logprobs for s in states]
     if all(w is None for w in wanted):
         return []
