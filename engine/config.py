@@ -15,9 +15,12 @@ from engine import envs
 from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
-           "DEFAULT_MODEL_NAME"]
+           "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+# More drafts than this are almost never accepted and make every verify step wider.
+MAX_SPECULATIVE_TOKENS = 16
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -73,6 +76,31 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return DEFAULT_MODEL_NAME
         return Path(self.model).name
 
+    def check_speculative(self) -> None:
+        """Raise ModelConfigError, naming the flag, if the speculative settings cannot work.
+
+        Values only (no files are read), so a typo is reported before a model is prepared; the
+        draft model's directory is checked by engine.model_store.ensure_config."""
+        method = self.speculative_method
+        _require(method is None or method in SPECULATIVE_METHODS,
+                 f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                 f"not {method!r}")
+        k = self.num_speculative_tokens
+        _require(method is None or 1 <= k <= MAX_SPECULATIVE_TOKENS,
+                 f"--num-speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
+                 f"got {k}")
+        _require(self.ngram_min >= 1, f"--ngram-min must be at least 1, got {self.ngram_min}")
+        _require(self.ngram_min <= self.ngram_max,
+                 f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
+        _require(method != "draft" or bool(self.speculative_model),
+                 "--speculative-method draft needs --speculative-model (the draft model's "
+                 "directory)")
+        _require(method == "draft" or self.speculative_model is None,
+                 "--speculative-model is only used with --speculative-method draft")
+        limit = self.speculative_disable_by_batch_size
+        _require(limit is None or limit >= 1,
+                 f"--speculative-disable-by-batch-size must be at least 1, got {limit}")
+
     def model_config(self) -> ModelConfig:
         """The model's config (parsed once per process); ModelConfigError if unusable."""
         return ModelConfig.from_dir(self.resolved_model_dir())
@@ -125,3 +153,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     @classmethod
     def decode(cls, data: bytes) -> EngineConfig:
         return msgspec.msgpack.decode(data, type=cls)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ModelConfigError(message)

@@ -11,7 +11,13 @@ import logging
 import sys
 
 from engine import model_store
-from engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelConfigError
+from engine.config import (
+    DEFAULT_MODEL_NAME,
+    MAX_SPECULATIVE_TOKENS,
+    SPECULATIVE_METHODS,
+    EngineConfig,
+    ModelConfigError,
+)
 from engine.runtime.launcher import EngineStartupError
 
 # (flag, type, help); unset flags keep EngineConfig's defaults.
@@ -32,7 +38,19 @@ _ENGINE_ARGS = [
     ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
     ("--cpu-linear-weights", str, "copies of each linear weight on CPU: both (fastest, 2x "
      "memory), packed, plain, or auto (both while cheap, default)"),
+    ("--speculative-method", str, "speculative decoding: ngram (prompt lookup), draft (a smaller "
+     "model, --speculative-model) or mtp (the model's multi-token heads); default off"),
+    ("--num-speculative-tokens", int, f"draft tokens per step, 1 to {MAX_SPECULATIVE_TOKENS} "
+     "(default 3)"),
+    ("--speculative-model", str, "draft model (a directory, or a named model like --model) "
+     "sharing the model's tokenizer; only with --speculative-method draft"),
+    ("--ngram-min", int, "ngram: shortest n-gram looked up in the request's tokens (default 2)"),
+    ("--ngram-max", int, "ngram: longest n-gram looked up (default 4)"),
+    ("--speculative-disable-by-batch-size", int, "no speculation in a step with more running "
+     "requests than this (default: no limit)"),
 ]
+# Flags whose values argparse checks (a typo is refused before anything starts).
+_ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS}
 # On/off switches (--x / --no-x); unset keeps the default.
 _ENGINE_SWITCHES = [
     ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),
@@ -45,7 +63,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help=f"HF model directory, or a named model prepared on first use: "
                         f"{', '.join(model_store.RECIPES)} ('default' is {DEFAULT_MODEL_NAME})")
     for flag, kind, help_text in _ENGINE_ARGS:
-        p.add_argument(flag, type=kind, default=None, help=help_text)
+        p.add_argument(flag, type=kind, default=None, help=help_text,
+                       choices=_ENGINE_CHOICES.get(flag))
     for flag, help_text in _ENGINE_SWITCHES:
         p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
 
@@ -64,9 +83,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
 def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
-    args.model = model_store.ensure_model(args.model)
-    return serve(engine_config(args), args.host, args.port, args.max_pending,
-                 args.log_level, args.access_log)
+    config = model_store.ensure_config(engine_config(args))
+    return serve(config, args.host, args.port, args.max_pending, args.log_level,
+                 args.access_log)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -74,14 +93,13 @@ def _generate(args: argparse.Namespace) -> int:
     from engine.runtime.llm import LLM
     from engine.tokenizer.tokenizer import Tokenizer
 
-    args.model = model_store.ensure_model(args.model)
-    config = engine_config(args)
+    config = model_store.ensure_config(engine_config(args))
     chat = args.chat
     if chat is None:
         chat = Tokenizer(config.resolved_model_dir()).chat_template is not None
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.sample_seed)
-    llm = LLM(args.model, **engine_kwargs(args))
+    llm = LLM(config.model, **engine_kwargs(args))
     try:
         if chat:
             out = llm.chat([{"role": "user", "content": args.prompt}], params)

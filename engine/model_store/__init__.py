@@ -5,7 +5,7 @@ directory, with no torch or transformers: a plain install can prepare and serve 
 from engine.model_store.errors import ModelPrepareError
 from engine.model_store.prepare import is_prepared, prepare, prepared_dir, recipe_for
 from engine.model_store.recipes import RECIPES, Recipe, find_recipe
-from engine.model_store.validate import check_model_dir, ensure_model
+from engine.model_store.validate import check_model_dir, ensure_config, ensure_model
 
-__all__ = ["RECIPES", "ModelPrepareError", "Recipe", "check_model_dir", "ensure_model",
-           "find_recipe", "is_prepared", "prepare", "prepared_dir", "recipe_for"]
+__all__ = ["RECIPES", "ModelPrepareError", "Recipe", "check_model_dir", "ensure_config",
+           "ensure_model", "find_recipe", "is_prepared", "prepare", "prepared_dir", "recipe_for"]

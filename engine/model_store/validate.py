@@ -1,13 +1,16 @@
 """Is this a model the engine can start on? Answered before any process starts, as one line the
 user can act on (ModelConfigError), instead of a traceback from deep inside.
 
-`ensure_model` is what every entry point (`deepinfer serve` / `generate`, the offline `LLM`)
-calls first: a named model is prepared on first use, a directory is checked.
+`ensure_config` is what every entry point (`deepinfer serve` / `generate`, the offline `LLM`)
+calls first: the settings are checked, a named model is prepared on first use, a directory is
+checked.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+
+import msgspec
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig, ModelConfigError
@@ -49,3 +52,22 @@ def ensure_model(model: str) -> str:
             model = str(path)
     check_model_dir(EngineConfig(model=model).resolved_model_dir())
     return model
+
+
+def ensure_config(config: EngineConfig) -> EngineConfig:
+    """`config` checked before any process starts, with the models to run: the speculative
+    settings first (a typo costs no download), then --model (ensure_model), then a draft model
+    like --model, resolved to its directory. Raises ModelConfigError."""
+    config.check_speculative()
+    config = msgspec.structs.replace(config, model=ensure_model(config.model))
+    if config.speculative_method == "draft":
+        config = msgspec.structs.replace(
+            config, speculative_model=_draft_model_dir(config.speculative_model))
+    return config
+
+
+def _draft_model_dir(model: str) -> str:
+    try:
+        return EngineConfig(model=ensure_model(model)).resolved_model_dir()
+    except ModelConfigError as exc:
+        raise ModelConfigError(f"--speculative-model: {exc}") from None

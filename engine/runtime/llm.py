@@ -41,8 +41,9 @@ class LLM:
     """
 
     def __init__(self, model: str = "default", **engine_args) -> None:
-        # A named model is prepared on first use; a directory is checked (ModelConfigError).
-        self.config = EngineConfig(model=model_store.ensure_model(model), **engine_args)
+        # Settings checked, a named model prepared on first use, a directory checked
+        # (ModelConfigError), before any process starts.
+        self.config = model_store.ensure_config(EngineConfig(model=model, **engine_args))
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self._thread.start()

@@ -92,5 +92,13 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append("{s:{c}^60}".format(s=f" {title} ", c="-"))
         for stat in ("mean", "median", "p90", "p99"):
             row(f"{stat.capitalize()} {key.upper()} (ms):", report[f"{stat}_{key}_ms"])
+    if report.get("spec_decode_acceptance_rate") is not None:
+        lines.append("{s:{c}^60}".format(s=" Speculative Decoding (server) ", c="-"))
+        row("Acceptance rate:", report["spec_decode_acceptance_rate"])
+        row("Mean accepted length (tokens/step):", report["spec_decode_mean_accepted_length"])
+        by_position = report.get("spec_decode_acceptance_by_position") or []
+        if by_position:
+            row("Acceptance rate by draft position:",
+                " ".join("-" if r is None else f"{r:.2f}" for r in by_position))
     lines.append("=" * 60)
     return "\n".join(lines)

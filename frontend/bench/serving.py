@@ -18,6 +18,7 @@ from typing import Any
 from frontend.bench.client import RequestResult, payload, send
 from frontend.bench.datasets import BenchRequest, random_requests, shared_prefix_requests
 from frontend.bench.metrics import format_report, parse_goodput, summarize
+from frontend.bench.spec_decode import scrape_spec_counters, spec_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -91,6 +92,8 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             bar.update(1)
             return result
 
+        # After the warm-ups: only the measured requests count.
+        spec_before = await scrape_spec_counters(session, base_url)
         rng = random.Random(args.seed)
         start = time.perf_counter()
         tasks = []
@@ -101,7 +104,9 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         results = await asyncio.gather(*tasks)
         duration = time.perf_counter() - start
         bar.close()
+        spec_after = await scrape_spec_counters(session, base_url)
     report = summarize(results, duration, parse_goodput(args.goodput))
+    report |= spec_report(spec_before, spec_after)
     errors = sorted({r.error for r in results if not r.ok})
     report |= {
         "model": model, "base_url": base_url, "endpoint": args.endpoint,

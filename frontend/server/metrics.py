@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from engine.protocol import SchedulerStats
     from frontend.server.state import ServerState
 
 _LATENCY_BUCKETS = (
@@ -84,6 +85,39 @@ class EngineStatsCollector(Collector):
         for phase in ("schedule", "update", "wait", "forward", "sample", "detokenize"):
             phases.add_metric([phase], float(getattr(s, f"{phase}_seconds")))
         yield phases
+        yield from _spec_decode_metrics(s)
+
+
+def _spec_decode_metrics(s: SchedulerStats) -> Iterator[Metric]:
+    """Speculative decoding counters (zero while it is off). CounterMetricFamily appends
+    `_total` to each name, so these render as deepinfer_spec_decode_*_total."""
+    counters = {
+        "deepinfer_spec_decode_draft_tokens": ("draft tokens verified", s.spec_draft_tokens),
+        "deepinfer_spec_decode_accepted_tokens": (
+            "draft tokens the target model accepted", s.spec_accepted_tokens),
+        "deepinfer_spec_decode_verify_steps": (
+            "(request, step) pairs that verified at least one draft", s.spec_verify_steps),
+    }
+    for name, (doc, value) in counters.items():
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(value))
+        yield c
+    by_position = {
+        "deepinfer_spec_decode_draft_tokens_per_position": (
+            "draft tokens verified at each draft position", s.spec_drafts_by_position),
+        "deepinfer_spec_decode_accepted_tokens_per_position": (
+            "draft tokens accepted at each draft position", s.spec_accepted_by_position),
+    }
+    for name, (doc, values) in by_position.items():
+        c = CounterMetricFamily(name, doc, labels=["position"])
+        for position, value in enumerate(values):
+            c.add_metric([str(position)], float(value))
+        yield c
+    rate = GaugeMetricFamily("deepinfer_spec_decode_acceptance_rate",
+                             "accepted / verified draft tokens (0 before any draft)")
+    drafts = s.spec_draft_tokens
+    rate.add_metric([], s.spec_accepted_tokens / drafts if drafts else 0.0)
+    yield rate
 
 
 class Metrics:

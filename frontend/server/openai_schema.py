@@ -62,6 +62,8 @@ class _SamplingFields(msgspec.Struct, **_REQ):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # DeepInfer extension: false opts this request out of speculative decoding.
+    speculative_decoding: bool | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, **_REQ):

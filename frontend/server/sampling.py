@@ -120,6 +120,7 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> Samp
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
+        speculative=req.speculative_decoding is not False,
     )
 
 

@@ -56,6 +56,21 @@ def test_stop_string_becomes_list():
     assert chat_params(chat_req(', "stop": "END"'), 10).stop == ["END"]
 
 
+@pytest.mark.parametrize("value,expected", [("", True), (', "speculative_decoding": null', True),
+                                            (', "speculative_decoding": true', True),
+                                            (', "speculative_decoding": false', False)])
+def test_speculative_decoding_opt_out(value, expected):
+    assert chat_params(chat_req(value), 10).speculative is expected
+    comp = decode_completion(b'{"prompt": "x"' + value.encode() + b"}")
+    assert completion_params(comp, 10).speculative is expected
+
+
+def test_speculative_decoding_must_be_a_bool():
+    with pytest.raises(msgspec.ValidationError) as exc:
+        chat_req(', "speculative_decoding": "no"')
+    assert decode_error(exc.value).param == "speculative_decoding"
+
+
 @pytest.mark.parametrize("body,param", [
     (b'{"messages": 3}', "messages"),
     (b'{"messages": [{"role": "user"}], "temperature": "hot"}', "temperature"),

@@ -350,6 +350,8 @@ def test_bench_serve(server, tmp_path):
     assert report["total_output_tokens"] == 64
     assert report["good_requests"] == 8
     assert report["model"] == "tiny"
+    # Speculation is off: the counters are there but verify nothing, so no figures.
+    assert report["spec_decode_acceptance_rate"] is None and "Speculative" not in proc.stdout
 
 
 def test_metrics_counters(server):
@@ -358,6 +360,7 @@ def test_metrics_counters(server):
     assert 'deepinfer_requests_total{endpoint="chat",status="400"}' in text
     assert "deepinfer_time_to_first_token_seconds_count" in text
     assert metric(server, "deepinfer_generation_tokens_total") > 0
+    assert metric(server, "deepinfer_spec_decode_draft_tokens_total") == 0
 
 
 def test_repeated_chat_hits_the_prefix_cache(client, server):
