@@ -72,6 +72,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     eos_token_ids: tuple[int, ...]
     layer_kinds: tuple[str, ...]
     sliding_window: int | None = None
+    num_nextn_predict_layers: int = 0  # multi-token-prediction layers (DeepSeek-V3 MTP)
 
     def kv_groups(self) -> list[str]:
         """KV cache groups in a fixed order: full layers first, then sliding layers.
@@ -124,6 +125,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             eos_token_ids=eos_ids,
             layer_kinds=kinds,
             sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
+            num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
         )
 
 

@@ -1,4 +1,9 @@
-"""Runs one StepPlan: builds the batch tensors, runs the model over the paged cache, samples."""
+"""Runs one StepPlan: builds the batch, runs the model over the paged cache, samples.
+
+With speculative decoding, the proposer drafts tokens for the seqs the scheduler gave draft
+slots, the drafts ride in the same forward as everything else, and the rejection sampler keeps
+a prefix of them plus one token of the target's (workers/sample/rejection.py).
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,15 @@ import numpy as np
 import torch
 
 from engine.config import SLIDING, EngineConfig
-from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
-from workers.attention import SeqSlice, select_backend
+from engine.protocol import SampledLogprobs, StepPlan, StepResult, pack_ids, unpack_ids
+from workers.attention import select_backend
+from workers.kv_copy import copy_blocks
 from workers.loader import DTYPES, load_model
+from workers.sample.rejection import Verification, verify
 from workers.sample.sampler import Sampler, SamplingState
+from workers.spec_decode.base import Draft, DraftRequest, Proposer, StepInput
+from workers.spec_decode.factory import build_proposer
+from workers.step_batch import SeqRows, StepBatch, build_batch, resolve_inputs
 
 
 class ModelRunner:
@@ -44,6 +54,8 @@ class ModelRunner:
         }
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
+        self.proposer: Proposer | None = build_proposer(config, self.sampler)
+        self.last_hidden: dict[str, torch.Tensor] = {}  # for proposers that read it
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies, before the forward: swap-outs first, then swap-ins."""
@@ -51,68 +63,120 @@ class ModelRunner:
             if not packed:
                 continue
             pairs = torch.from_numpy(unpack_ids(packed).astype(np.int64)).view(-1, 2)
-            for i in self.full_layers:
-                for dev, host in zip(self.kv_caches[i], self.host_caches[i]):
-                    src, dst = (dev, host) if to_host else (host, dev)
-                    dst.index_copy_(0, pairs[:, 1], src.index_select(0, pairs[:, 0]))
+            copy_blocks(pairs, [self.kv_caches[i] for i in self.full_layers],
+                        [self.host_caches[i] for i in self.full_layers], to_host)
+            if self.proposer is not None:
+                self.proposer.copy_blocks(pairs, to_host)
 
     def _update_states(self, plan: StepPlan) -> None:
         self._copy_blocks(plan)
         for rid in plan.finished:
             self.states.pop(rid, None)
+            self.last_hidden.pop(rid, None)
+        if self.proposer is not None and plan.finished:
+            self.proposer.forget(plan.finished)
         for new in plan.new_requests:
             prompt = torch.from_numpy(unpack_ids(new.prompt_ids).copy())
             self.states[new.request_id] = SamplingState.create(new.params, prompt)
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, list[int], list[SamplingState]]:
-        """Hidden states of every token in the plan, plus the rows and states to sample."""
-        ids, positions, sample_rows, sample_states = [], [], [], []
-        slices: list[list[SeqSlice]] = [[] for _ in self.groups]
-        row = 0
-        for seq in plan.seqs:
-            tokens = unpack_ids(seq.token_ids)
-            if not len(tokens):  # overlap placeholder: our own last sample
-                tokens = np.array([self.states[seq.request_id].output_ids[-1]], dtype=np.int32)
-            n = len(tokens)
-            ids.append(tokens)
-            positions.append(np.arange(seq.start_pos, seq.start_pos + n, dtype=np.int64))
-            for g, (kind, table) in enumerate(zip(self.groups, seq.block_tables)):
-                sliding = kind == SLIDING
-                slices[g].append(SeqSlice(
-                    unpack_ids(table), seq.start_pos, n,
-                    write_from=0 if sliding else seq.full_kv_from,
-                    key_from=seq.window_from if sliding else 0,
-                ))
-            row += n
-            if seq.sample:
-                sample_rows.append(row - 1)
-                sample_states.append(self.states[seq.request_id])
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
-        pos = torch.from_numpy(np.concatenate(positions))
+    def _propose(self, plan: StepPlan, inputs: list[StepInput]
+                 ) -> tuple[dict[int, Draft], dict[int, DraftRequest]]:
+        """Drafts for the seqs the scheduler gave draft slots (possibly none found)."""
+        requests = {i: DraftRequest(seq.request_id, self.states[seq.request_id], seq.start_pos,
+                                    seq.draft_slots, self.last_hidden.get(seq.request_id))
+                    for i, seq in enumerate(plan.seqs) if seq.draft_slots and seq.sample}
+        if self.proposer is None:
+            return {i: Draft([]) for i in requests}, requests
+        drafts = self.proposer.propose(inputs, list(requests.values()))
+        out = {}
+        for (i, req), draft in zip(requests.items(), drafts):
+            keep = draft.tokens[: req.max_drafts]
+            probs = draft.probs[: len(keep)] if draft.probs is not None else None
+            out[i] = Draft(keep, probs)
+        return out, requests
+
+    def _run(self, batch: StepBatch) -> torch.Tensor:
         metas = [self.attention.build_metadata(sl, self.block_size, w)
-                 for sl, w in zip(slices, self.windows)]
-        return self.model(input_ids, pos, self.kv_caches, metas), sample_rows, sample_states
+                 for sl, w in zip(batch.slices, self.windows)]
+        return self.model(batch.input_ids, batch.positions, self.kv_caches, metas)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._update_states(plan)
         t0 = time.perf_counter()
-        hidden, sample_rows, sample_states = self._forward(plan)
-        if not sample_rows:
+        inputs = resolve_inputs(plan, self.states, self.groups)
+        drafts, requests = self._propose(plan, inputs)
+        batch = build_batch(plan, inputs, self.states, self.groups, drafts)
+        hidden = self._run(batch)
+        sampled = [r for r in batch.rows if r.seq.sample]
+        if not sampled:
             return StepResult(plan.step_id, b"", forward_ms=(time.perf_counter() - t0) * 1e3)
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows)])
+        # Logits only where a token is drawn: a seq's last row, or every row a draft is
+        # verified at.
+        index = []
+        for r in sampled:
+            first = len(index)
+            index += range(r.verify_row, r.verify_row + 1 + (len(r.draft.tokens) if r.draft
+                                                               else 0))
+            r.logit_row = first
+        logits = self.model.compute_logits(hidden[torch.tensor(index)])
         t1 = time.perf_counter()
-        tokens, logprobs = self.sampler(logits, sample_states)
-        token_list = tokens.tolist()
-        for state, tok in zip(sample_states, token_list):
-            state.output_ids.append(tok)
+        new = self._sample(logits, sampled)
         t2 = time.perf_counter()
-        return StepResult(plan.step_id, pack_ids(token_list), logprobs,
-                          forward_ms=(t1 - t0) * 1e3, sample_ms=(t2 - t1) * 1e3)
+        self._record(sampled, new, requests, hidden, index)
+        return self._result(plan, sampled, new, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+
+    def _sample(self, logits: torch.Tensor, sampled: list[SeqRows]
+                ) -> list[tuple[list[int], list[SampledLogprobs | None]]]:
+        """New tokens and their logprobs per sampled seq: plain rows in one batched draw,
+        verifying seqs through the rejection sampler."""
+        out: list = [None] * len(sampled)
+        plain = [i for i, r in enumerate(sampled) if r.draft is None]
+        if plain:
+            rows = torch.tensor([sampled[i].logit_row for i in plain])
+            tokens, logprobs = self.sampler(logits[rows], [sampled[i].state for i in plain])
+            for j, (i, token) in enumerate(zip(plain, tokens.tolist())):
+                out[i] = ([token], [logprobs[j]] if logprobs else [None])
+        checks = [i for i, r in enumerate(sampled) if r.draft is not None]
+        if checks:
+            verified = verify(self.sampler, logits, [
+                Verification(sampled[i].state, sampled[i].draft.tokens, sampled[i].draft.probs,
+                             sampled[i].logit_row) for i in checks])
+            for i, (tokens, logprobs) in zip(checks, verified):
+                out[i] = (tokens, logprobs or [None] * len(tokens))
+        return out
+
+    def _record(self, sampled: list[SeqRows], new, requests: dict[int, DraftRequest],
+                hidden: torch.Tensor, index: list[int]) -> None:
+        """The requests' own histories, what the proposer needs to know, hidden states."""
+        keep_hidden = self.proposer is not None and self.proposer.needs_hidden_states
+        by_id = {req.request_id: req for req in requests.values()}
+        for r, (tokens, _) in zip(sampled, new):
+            r.state.output_ids.extend(tokens)
+            req = by_id.get(r.seq.request_id)
+            if req is not None and self.proposer is not None:
+                self.proposer.verified(req, len(r.draft.tokens), len(tokens) - 1)
+            if keep_hidden:  # the row whose logits produced the newest token
+                self.last_hidden[r.seq.request_id] = hidden[index[r.logit_row + len(tokens) - 1]]
+
+    @staticmethod
+    def _result(plan: StepPlan, sampled: list[SeqRows], new, forward_ms: float,
+                sample_ms: float) -> StepResult:
+        tokens = [t for toks, _ in new for t in toks]
+        logprobs = [lp for _, lps in new for lp in lps]
+        result = StepResult(plan.step_id, pack_ids(tokens),
+                            logprobs if any(lp is not None for lp in logprobs) else [],
+                            forward_ms=forward_ms, sample_ms=sample_ms)
+        if any(seq.draft_slots for seq in plan.seqs):
+            result.num_sampled = pack_ids([len(toks) for toks, _ in new])
+            result.num_drafts = pack_ids([len(r.draft.tokens) if r.draft else 0
+                                          for r in sampled])
+        return result
 
     @torch.inference_mode()
     def all_logits(self, plan: StepPlan) -> torch.Tensor:
         """Logits at every position of the plan (prompt logprobs; reference tests)."""
         self._update_states(plan)
-        hidden, _, _ = self._forward(plan)
-        return self.model.compute_logits(hidden)
+        inputs = resolve_inputs(plan, self.states, self.groups)
+        return self.model.compute_logits(self._run(build_batch(
+            plan, inputs, self.states, self.groups, {})))

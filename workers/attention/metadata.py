@@ -26,6 +26,10 @@ class SeqSlice:
     num_tokens: int
     write_from: int = 0  # positions below this already have their K/V in the cache
     key_from: int = 0  # keys below this were never computed (sliding replay): masked
+    # A decode's input token followed by drafts to verify: each token is its own decode row,
+    # attending causally up to itself (this step's K/V is in the cache before attention),
+    # so verification runs on the decode path (native kernel, one-call decode layer).
+    verify: bool = False
 
 
 @dataclass
@@ -72,12 +76,13 @@ class AttentionMetadata:
             first_key = s.key_from if window is None else max(s.key_from, s.start - window + 1)
             first_block = max(0, first_key) // block_size
             used = np.maximum(s.table[first_block: -(-end // block_size)], 0).astype(np.int64)
-            if s.num_tokens == 1:
-                dec_rows.append(row)
-                dec_tables.append(used)
-                dec_first.append(first_block * block_size)
-                dec_pos.append(s.start)
-                dec_from.append(s.key_from)
+            if s.num_tokens == 1 or s.verify:
+                for j in range(s.num_tokens):
+                    dec_rows.append(row + j)
+                    dec_tables.append(used)
+                    dec_first.append(first_block * block_size)
+                    dec_pos.append(s.start + j)
+                    dec_from.append(s.key_from)
             else:
                 fresh = s.start == 0 and (window is None or s.num_tokens <= window)
                 prefills.append(PrefillSeq(row, row + s.num_tokens, torch.from_numpy(used),

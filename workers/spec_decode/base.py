@@ -1,0 +1,71 @@
+"""The proposer seam: what a drafting method sees each step and what it returns.
+
+Every method (n-gram lookup, a draft model, the target's own MTP / EAGLE-style heads) proposes
+up to `max_drafts` tokens per speculating request at the start of a step; the target verifies
+them in the same forward (workers/sample/rejection.py). A proposer sees:
+- `StepInput`s: every seq of the step with its real input tokens and full-attention block table,
+  so a draft model can keep its own KV cache (same block ids, its own tensors) in step with the
+  target's;
+- `DraftRequest`s: the speculating requests, with their sampling state (params, generator, the
+  tokens so far) and, for proposers that ask (`needs_hidden_states`), the target's last hidden
+  state: the one that produced the request's newest token.
+After verification it is told how many drafts each request kept (`verified`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from workers.sample.sampler import SamplingState
+
+
+@dataclass
+class StepInput:
+    """One seq of the step: its real input tokens (no drafts) at positions start.."""
+
+    request_id: str
+    tokens: np.ndarray
+    start: int
+    full_table: np.ndarray | None  # block table of the full-attention group (None: none)
+    full_kv_from: int = 0  # full layers already hold K/V below this (prefix hit replay)
+
+
+@dataclass
+class DraftRequest:
+    request_id: str
+    state: SamplingState
+    start: int  # position of its input token, the newest known token
+    max_drafts: int
+    hidden: torch.Tensor | None = None  # the target's hidden state that produced that token
+
+    def known_tokens(self) -> np.ndarray:
+        """Prompt, then every output token so far (int32)."""
+        out = np.asarray(self.state.output_ids, dtype=np.int32)
+        return np.concatenate([self.state.prompt_ids.numpy().astype(np.int32), out])
+
+
+@dataclass
+class Draft:
+    tokens: list[int]
+    # [len(tokens), vocab]: the distribution each draft was sampled from, processed like the
+    # target's (rejection sampling needs it); None: proposed deterministically.
+    probs: torch.Tensor | None = None
+
+
+class Proposer:
+    needs_hidden_states = False
+
+    def propose(self, step: list[StepInput], requests: list[DraftRequest]) -> list[Draft]:
+        raise NotImplementedError
+
+    def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
+        """The target kept the first `accepted` of the `proposed` drafts."""
+
+    def forget(self, request_ids: list[str]) -> None:
+        """These requests are finished."""
+
+    def copy_blocks(self, pairs: torch.Tensor, to_host: bool) -> None:
+        """Host-tier copies of the proposer's own KV blocks, if it keeps any."""
