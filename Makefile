@@ -9,7 +9,7 @@ MODEL ?= default
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test test-slow lint bench-peers clean
+.PHONY: install model serve test test-slow lint bench-peers bench-spec clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ test-slow: $(VENV)/.installed-test model
 
 bench-peers: model
 	$(PY) scripts/bench_peers.py
+
+# n-gram speculative decoding on vs off (input-grounded and random prompts, llama.cpp if present).
+bench-spec: model
+	$(PY) scripts/bench_spec_decode.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

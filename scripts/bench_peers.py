@@ -385,10 +385,10 @@ def child_command(system: str, args: argparse.Namespace) -> list[str]:
             *workload_flags(args)]
 
 
-def parse_child_output(stdout: str) -> Result | None:
+def parse_child_output(stdout: str, prefix: str = RESULT_PREFIX) -> Result | None:
     for line in reversed(stdout.splitlines()):
-        if line.startswith(RESULT_PREFIX):
-            return json.loads(line[len(RESULT_PREFIX):])
+        if line.startswith(prefix):
+            return json.loads(line[len(prefix):])
     return None
 
 
@@ -420,20 +420,27 @@ def other_load(busy0: float | None, ours0: float, wall: float) -> float | None:
 
 
 def run_child(system: str, args: argparse.Namespace) -> Result:
-    cmd = child_command(system, args)
-    stderr = None if args.verbose else subprocess.PIPE
+    return run_command(child_command(system, args), {"system": system}, args.timeout,
+                       args.verbose)
+
+
+def run_command(cmd: list[str], label: Result, timeout: float, verbose: bool,
+                prefix: str = RESULT_PREFIX) -> Result:
+    """Run one child to completion: its result line (or an error naming `label`), with its wall
+    time and the other processes' load while it ran."""
+    stderr = None if verbose else subprocess.PIPE
     busy0, ours0, start = host_busy_s(), children_cpu_s(), time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True,
-                              timeout=args.timeout)
+                              timeout=timeout)
     except subprocess.TimeoutExpired:
-        return {"system": system, "status": "error", "reason": f"timeout after {args.timeout}s",
+        return {**label, "status": "error", "reason": f"timeout after {timeout}s",
                 "command": shlex.join(cmd)}
     wall = time.perf_counter() - start
-    result = parse_child_output(proc.stdout)
+    result = parse_child_output(proc.stdout, prefix)
     if result is None:
         logs = tail((proc.stdout or "") + "\n" + (proc.stderr or ""))
-        result = {"system": system, "status": "error",
+        result = {**label, "status": "error",
                   "reason": f"exit code {proc.returncode}, no result line:\n{logs}"}
     return {**result, "process_wall_s": wall, "other_load_cores": other_load(busy0, ours0, wall),
             "command": shlex.join(cmd)}

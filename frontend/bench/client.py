@@ -30,7 +30,7 @@ def payload(endpoint: str, model: str, req: BenchRequest, temperature: float,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    if ignore_eos:
+    if ignore_eos and req.ignore_eos:
         body["ignore_eos"] = True
     if endpoint.endswith("chat/completions"):
         body["messages"] = [{"role": "user", "content": req.prompt}]

@@ -1,6 +1,7 @@
-"""Prompts for the serving benchmark: random text, or a shared prefix plus random suffixes.
+"""Prompts for the serving benchmark: random text, a shared prefix plus random suffixes, or
+fixed input-grounded chat prompts (answers that copy the prompt, frontend/bench/grounded_prompts).
 
-The text is made of common English words, about one token each for BPE tokenizers, so no
+The random text is made of common English words, about one token each for BPE tokenizers, so no
 tokenizer is needed on the client side; exact token counts come back in the server's usage.
 """
 
@@ -8,6 +9,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+from frontend.bench.grounded_prompts import GROUNDED_PROMPTS
 
 WORDS = (
     "the of and to in is was for on that with as by at from his her are this be it an or had "
@@ -28,6 +31,9 @@ class BenchRequest:
     prompt: str
     input_words: int
     output_len: int
+    # False when the answer has a natural end (input-grounded): it then stops at EOS, and
+    # output_len is only a cap.
+    ignore_eos: bool = True
 
 
 def _words(rng: random.Random, n: int) -> str:
@@ -63,4 +69,14 @@ def shared_prefix_requests(
         prompt = f"{prefix}\n{_words(rng, n_suffix)}"
         out.append(BenchRequest(prompt, prefix_len + n_suffix,
                                 _length(rng, output_len, range_ratio)))
+    return out
+
+
+def input_grounded_requests(num: int, max_tokens: int) -> list[BenchRequest]:
+    """The fixed input-grounded prompts in order (cycled when `num` exceeds them); EOS ends
+    each answer, so its length is the model's own, up to `max_tokens`."""
+    out = []
+    for i in range(num):
+        prompt = GROUNDED_PROMPTS[i % len(GROUNDED_PROMPTS)]
+        out.append(BenchRequest(prompt, len(prompt.split()), max_tokens, ignore_eos=False))
     return out

@@ -16,7 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from frontend.bench.client import RequestResult, payload, send
-from frontend.bench.datasets import BenchRequest, random_requests, shared_prefix_requests
+from frontend.bench.datasets import (
+    BenchRequest,
+    input_grounded_requests,
+    random_requests,
+    shared_prefix_requests,
+)
 from frontend.bench.metrics import format_report, parse_goodput, summarize
 from frontend.bench.spec_decode import scrape_spec_counters, spec_report
 
@@ -26,13 +31,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint", default="/v1/completions",
                    choices=["/v1/completions", "/v1/chat/completions"])
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
-    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--dataset", default="random",
+                   choices=["random", "shared-prefix", "input-grounded"],
+                   help="input-grounded: fixed chat prompts whose answers copy them (n-gram "
+                        "speculation's workload); needs --endpoint /v1/chat/completions")
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--random-input-len", type=int, default=256)
     p.add_argument("--random-output-len", type=int, default=64)
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="lengths drawn uniformly in [len*(1-r), len*(1+r)]")
     p.add_argument("--prefix-len", type=int, default=256, help="shared-prefix: prefix words")
+    p.add_argument("--grounded-max-tokens", type=int, default=256,
+                   help="input-grounded: max_tokens of each answer (which ends at EOS)")
     p.add_argument("--request-rate", type=float, default=math.inf,
                    help="requests per second, Poisson arrivals (inf: all at once)")
     p.add_argument("--max-concurrency", type=int, default=None)
@@ -47,7 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-tqdm", action="store_true")
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse combinations that would measure something else than asked (ValueError)."""
+    if args.dataset == "input-grounded" and not args.endpoint.endswith("chat/completions"):
+        # The prompts are user messages: as raw completion text the model would not answer them.
+        raise ValueError("--dataset input-grounded needs --endpoint /v1/chat/completions")
+
+
 def build_requests(args: argparse.Namespace) -> list[BenchRequest]:
+    if args.dataset == "input-grounded":
+        return input_grounded_requests(args.num_prompts, args.grounded_max_tokens)
     if args.dataset == "shared-prefix":
         return shared_prefix_requests(args.num_prompts, args.prefix_len, args.random_input_len,
                                       args.random_output_len, args.random_range_ratio, args.seed)
@@ -121,6 +140,11 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    try:
+        check_args(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     report = asyncio.run(benchmark(args))
     print(format_report(report))
     for err in report["errors"]:

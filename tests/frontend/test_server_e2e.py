@@ -384,3 +384,19 @@ def test_second_chat_turn_reuses_the_first_turn(client):
     r2 = client.chat.completions.create(messages=turn2, **kw)
     # The whole first prompt (whole blocks of it) comes from the cache.
     assert r2.usage.prompt_tokens_details.cached_tokens >= r1.usage.prompt_tokens // 16 * 16
+
+
+def test_bench_serve_input_grounded(server, tmp_path):
+    out = tmp_path / "grounded.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "frontend.cli", "bench", "serve", "--base-url", server.base_url,
+         "--endpoint", "/v1/chat/completions", "--dataset", "input-grounded",
+         "--num-prompts", "2", "--grounded-max-tokens", "8", "--result-file", str(out),
+         "--disable-tqdm"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(out.read_text())
+    assert report["dataset"] == "input-grounded" and report["completed"] == 2
+    assert all(0 < n <= 8 for n in report["output_lens"])
+    assert all(n > 150 for n in report["input_lens"])  # the whole text to copy was sent
