@@ -48,10 +48,12 @@ class SpecPolicy:
 
     def draft_slots(self, req: Request, num_running: int, budget: int, max_len: int) -> int:
         """Draft slots for a decode of `req` this step (0: a plain decode)."""
-        if req.num_pending or not self._allowed(req, num_running):
+        if not self._allowed(req, num_running):
             return 0
-        if req.spec_backoff:
+        if req.spec_backoff:  # counted down by plain decodes, overlapped ones included
             req.spec_backoff -= 1
+            return 0
+        if req.num_pending:
             return 0
         left = req.params.max_tokens - len(req.output_ids)
         # k drafts + 1 target token must fit the output budget and the sequence limit.

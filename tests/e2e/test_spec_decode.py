@@ -67,19 +67,21 @@ def test_acceptance_does_not_decay_with_prefix_cache_hits(pair, host_tier):
     model's KV must be as good as if it had computed them itself."""
     target, _ = pair
     rng = np.random.default_rng(3)
-    prefix = rng.integers(3, 40000, 48).tolist()
+    prefixes = [rng.integers(3, 40000, 48).tolist() for _ in range(2)]
+    # With the host tier, 30 blocks hold one 90-token request: each prefix evicts the other's
+    # blocks to the host tier and the next request with that prefix brings them back.
     extra = dict(host_kv_cache_gb=0.001) if host_tier else {}
-    with LLM(str(target), num_kv_blocks=48 if host_tier else 256, block_size=4,
+    with LLM(str(target), num_kv_blocks=30 if host_tier else 256, block_size=4,
              speculative_method="draft", speculative_model=str(target),
              num_speculative_tokens=3, **extra) as llm:
         rates = []
         for i in range(6):
             before = llm.stats()
-            out = llm.generate([prefix + [500 + i]], GREEDY)[0]
+            out = llm.generate([prefixes[i % 2] + [500 + i]], GREEDY)[0]
             after = llm.stats()
             drafts = after.spec_draft_tokens - before.spec_draft_tokens
             rates.append((after.spec_accepted_tokens - before.spec_accepted_tokens) / drafts)
-            if i:
+            if i >= 2:
                 assert out.cached_tokens >= 40
         stats = llm.stats()
     assert rates == [1.0] * 6, rates
@@ -114,4 +116,4 @@ def test_default_model_copying_its_prompt(default_model):
         out = llm.chat(msgs, params)
         stats = llm.stats()
     assert out.token_ids == ref.token_ids
-    assert stats.spec_accepted_tokens > 0.5 * stats.spec_draft_tokens > 10
+    assert stats.spec_accepted_tokens > max(20, 0.3 * stats.spec_draft_tokens)

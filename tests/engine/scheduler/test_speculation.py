@@ -102,6 +102,27 @@ def test_a_miss_backs_off_then_tries_again():
     assert slots == [3, 0, 3, 0, 0, 3, 0, 0]  # backoff 1, then 2, then 4 steps
 
 
+def test_overlapped_plain_decodes_count_the_backoff_down():
+    """The scheduler process overlaps plain decodes (a token is always in flight) and waits
+    only when the next step could speculate: a backed-off request must still get back to
+    speculating, or one that missed twice would never speculate again."""
+    s = make(k=3)
+    add(s, "a", max_tokens=200)
+    prefill(s)
+    in_flight, slots = None, []
+    for _ in range(60):  # the loop of engine/scheduler/scheduler_process.py
+        if in_flight is not None and (in_flight.speculative or s.wants_speculation()):
+            s.update(in_flight, result(in_flight, {}))  # every proposal misses
+            in_flight = None
+        step = s.schedule()
+        slots.append(step.plan.seqs[0].draft_slots)
+        if in_flight is not None:
+            s.update(in_flight, result(in_flight, {}))
+        in_flight = step
+    tries = [i for i, k in enumerate(slots) if k]
+    assert len(tries) >= 5 and max(b - a for a, b in zip(tries, tries[1:])) <= 17, slots
+
+
 def test_no_speculation_above_the_batch_size_limit_or_when_opted_out():
     s = make(k=3, disable=1)
     add(s, "a")
