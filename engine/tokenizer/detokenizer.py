@@ -34,11 +34,13 @@ class IncrementalDetokenizer:
         self.sent = 0  # characters of self.text already emitted
         self.stopped = False
 
-    def add(self, token_ids) -> None:
-        """Feed new tokens; sets `stopped` when a stop string appears (text cut before it)."""
-        for tid in token_ids:
+    def add(self, token_ids) -> int:
+        """Feed new tokens; sets `stopped` when a stop string appears (text cut before it).
+        Returns how many of them were used: tokens after the one completing a stop string (a
+        speculative step can return several) are not part of the output."""
+        for used, tid in enumerate(token_ids):
             if self.stopped:
-                return
+                return used
             try:
                 piece = self.stream.step(self.tokenizer.hf, int(tid))
             except Exception:  # an id past the tokenizer's vocabulary (padded embeddings)
@@ -51,6 +53,7 @@ class IncrementalDetokenizer:
             if hits:
                 self.text = self.text[: min(hits)]
                 self.stopped = True
+        return len(token_ids)
 
     def take(self, final: bool) -> str:
         """The text not yet emitted that is safe to emit now (everything when final)."""

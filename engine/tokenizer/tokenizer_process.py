@@ -107,7 +107,8 @@ class TokenizerService:
             return None, False
         ids = unpack_ids(delta.token_ids)
         n_before = live.completion_tokens
-        live.detok.add(ids)
+        used = live.detok.add(ids)
+        ids = ids[:used]  # tokens after a stop string are dropped, their logprobs too
         live.completion_tokens += len(ids)
         finish = delta.finish_reason
         stop_hit = live.detok.stopped and finish is None
@@ -117,7 +118,7 @@ class TokenizerService:
         logprobs = []
         if live.logprobs and delta.logprobs:
             tt = self.tokenizer.token_text
-            for lp in delta.logprobs:
+            for lp in delta.logprobs[:used]:
                 logprobs.append(PositionLogprobs(
                     TokenLogprob(lp.token_id, tt(lp.token_id), lp.logprob),
                     [TokenLogprob(i, tt(i), v) for i, v in zip(lp.top_ids, lp.top_logprobs)],
@@ -125,7 +126,7 @@ class TokenizerService:
         out = RequestOutput(
             delta.request_id,
             text=text,
-            token_ids=delta.token_ids,
+            token_ids=ids.tobytes(),
             logprobs=logprobs,
             finish_reason=finish,
             prompt_tokens=live.prompt_tokens,

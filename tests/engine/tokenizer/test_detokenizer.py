@@ -109,3 +109,26 @@ def test_sentencepiece_completion_keeps_its_leading_space(sentencepiece_dir):
         out, stop_hit = service.detokenize(TokenDelta("r", pack_ids(completion)))
         assert out.text == expected
         assert stop_hit == bool(stop)
+
+
+def test_tokens_after_a_stop_string_in_one_delta_are_dropped(tok):
+    """A speculative step returns several tokens: the output ends at the stop string."""
+    from engine.protocol import (
+        GenerateRequest,
+        SampledLogprobs,
+        SamplingParams,
+        TokenDelta,
+        pack_ids,
+    )
+    from engine.tokenizer.tokenizer_process import TokenizerService
+
+    service = TokenizerService(tok, 1024)
+    service.tokenize(GenerateRequest("r", SamplingParams(stop=[" END"], logprobs=0),
+                                     prompt="Say it"))
+    ids = tok.encode(" alpha END beta gamma", add_special_tokens=False)
+    lps = [SampledLogprobs(t, -1.0) for t in ids]
+    out, stop_hit = service.detokenize(TokenDelta("r", pack_ids(ids), lps))
+    assert stop_hit and out.text == " alpha"
+    kept = tok.encode(" alpha END", add_special_tokens=False)
+    assert out.token_ids == pack_ids(kept) and out.completion_tokens == len(kept)
+    assert [lp.chosen.token_id for lp in out.logprobs] == kept

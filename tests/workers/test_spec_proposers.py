@@ -1,0 +1,60 @@
+"""The proposer seam on a real ModelRunner: what a proposer is handed, and what it gets back."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.config import EngineConfig, ModelConfigError
+from engine.protocol import NewRequestInfo, SamplingParams, ScheduledSeq, StepPlan, pack_ids
+from workers.spec_decode.base import Draft, Proposer
+from workers.spec_decode.factory import build_proposer
+
+
+class HiddenStateProposer(Proposer):
+    """Stands in for MTP / EAGLE heads: records the hidden states it is handed."""
+
+    needs_hidden_states = True
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[list[int], torch.Tensor | None]] = []
+        self.verdicts: list[tuple[int, int]] = []
+
+    def propose(self, step, requests):
+        self.seen += [(r.known_tokens().tolist(), r.hidden) for r in requests]
+        return [Draft([5] * r.max_drafts) for r in requests]
+
+    def verified(self, request, proposed, accepted):
+        self.verdicts.append((proposed, accepted))
+
+
+def test_hidden_states_reach_the_proposer(tiny_model_dir):
+    from workers.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32,
+                                      block_size=4))
+    proposer = runner.proposer = HiddenStateProposer()
+    table = [pack_ids(range(8))]
+    prompt = [11, 12, 13, 14, 15]
+    params = SamplingParams(max_tokens=20, temperature=0.0)
+    first = runner.execute(StepPlan(1, [ScheduledSeq("a", pack_ids(prompt), 0, table, True)],
+                                    [NewRequestInfo("a", pack_ids(prompt), params)]))
+    token = int.from_bytes(first.sampled_ids[:4], "little")
+    result = runner.execute(StepPlan(2, [ScheduledSeq("a", pack_ids([token]), 5, table, True,
+                                                      draft_slots=3)]))
+    (tokens, hidden), = proposer.seen
+    assert tokens == prompt + [token]
+    # The hidden state handed over is the one whose logits produced the request's newest token.
+    logits = runner.model.compute_logits(hidden[None])
+    assert int(logits.argmax()) == token
+    assert proposer.verdicts and proposer.verdicts[0][0] == 3
+    assert result.num_drafts == pack_ids([3])
+
+
+def test_mtp_needs_mtp_layers(tiny_model_dir):
+    config = EngineConfig(model=str(tiny_model_dir), speculative_method="mtp")
+    try:
+        build_proposer(config, None)
+    except ModelConfigError as exc:
+        assert "num_nextn_predict_layers" in str(exc)
+    else:
+        raise AssertionError("mtp accepted for a model without MTP layers")
