@@ -6,8 +6,12 @@ What it measures (DeepInfer's offline `engine.LLM`, greedy, CPU), each side in i
                frontend/bench/grounded_prompts.py (answers copy the prompt: n-gram speculation's
                best case), `--max-tokens` each, stopping at EOS. Target: decode on/off >= 1.8x.
 * random     - batch 1 over `--num-prompts` random-token prompts (`--random-input-len` in,
-               exactly `--random-output-len` out, EOS ignored): speculation's worst case, where
-               drafts rarely match. Target: decode on/off >= 0.95x (at most 5 % slower).
+               exactly `--random-output-len` out, EOS ignored, greedy; a small model then tends
+               to loop, which a lookup copies). Target: decode on/off >= 0.95x (at most 5 %
+               slower).
+* sampled    - like random, sampled at temperature 1 (seeded): the text differs on and off (a
+               different draw, the same distribution); with nothing to copy the lookup finds
+               nothing, which measures what a miss costs. Target: decode on/off >= 0.95x.
 * concurrent - `--concurrency` random-token prompts (same lengths) submitted at once. Target:
                output on/off >= 0.95x.
 * llamacpp   - llama-cpp-python at batch 1 on the grounded prompts (the same token ids, taken
@@ -56,11 +60,14 @@ from scripts.bench_peers import Result, Unavailable  # noqa: E402
 
 RESULT_PREFIX = "BENCH_SPEC_RESULT "
 Generate = Callable[[list[int], int], list[int]]
-WORKLOADS = ("grounded", "random", "concurrent", "llamacpp")
+WORKLOADS = ("grounded", "random", "sampled", "concurrent", "llamacpp")
+# `sampled`: random prompts sampled at temperature 1 (seeded), nothing for a lookup to copy:
+# what speculation costs when it finds nothing.
+TEMPERATURE = {"sampled": 1.0}
 MODES = ("off", "on")
 # The targets for on/off: batch-1 decode tok/s, and output tok/s at 64 concurrent.
 TARGETS = {"grounded": ("decode_tok_s", 1.8), "random": ("decode_tok_s", 0.95),
-           "concurrent": ("output_tok_s", 0.95)}
+           "sampled": ("decode_tok_s", 0.95), "concurrent": ("output_tok_s", 0.95)}
 # Batch-1 greedy output must be identical with speculation; batched runs only get a note.
 STRICT_IDENTITY = ("grounded", "random")
 WARMUP_TOKENS = 4
@@ -159,8 +166,9 @@ def workload(args: argparse.Namespace, name: str) -> tuple[list[list[int]], int,
     if name == "grounded":
         return grounded_prompt_ids(args.model, args.num_prompts), args.max_tokens, False
     vocab = peers.vocab_size(args.model)
-    if name == "random":
-        prompts = peers.make_prompts(args.num_prompts, args.random_input_len, vocab, args.seed)
+    if name in ("random", "sampled"):
+        seed = args.seed + (3 if name == "sampled" else 0)
+        prompts = peers.make_prompts(args.num_prompts, args.random_input_len, vocab, seed)
     else:
         prompts = peers.make_prompts(args.concurrency, args.random_input_len, vocab,
                                      args.seed + 1)
@@ -226,7 +234,8 @@ def run_deepinfer(args: argparse.Namespace, name: str, mode: str) -> Result:
     load = time.perf_counter() - start
 
     def generate(batch: list[list[int]], n: int) -> list[list[int]]:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=ignore_eos)
+        params = SamplingParams(max_tokens=n, temperature=TEMPERATURE.get(name, 0.0),
+                                ignore_eos=ignore_eos, seed=args.seed)
         return [o.token_ids for o in llm.generate(batch, params)]
 
     try:

@@ -2,7 +2,9 @@
 
 With overlap scheduling (the default) the loop sends plan N+1 before it reads result N, so
 the workers always have the next step queued while the scheduler applies the previous one;
-step N+1 refers to tokens sampled in step N by placeholder (see ScheduledSeq).
+step N+1 refers to tokens sampled in step N by placeholder (see ScheduledSeq). A step that
+speculates returns an unknown number of tokens per request, so the loop applies it before
+planning the next one (engine/spec/policy.py says when a request speculates).
 """
 
 from __future__ import annotations

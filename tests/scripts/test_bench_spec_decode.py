@@ -25,7 +25,7 @@ def test_defaults_follow_the_engine_and_the_issue():
     engine = EngineConfig()
     assert (args.num_speculative_tokens, args.ngram_min, args.ngram_max) == (
         engine.num_speculative_tokens, engine.ngram_min, engine.ngram_max)
-    assert args.workload_list == ["grounded", "random", "concurrent", "llamacpp"]
+    assert args.workload_list == ["grounded", "random", "sampled", "concurrent", "llamacpp"]
     assert args.mode_list == ["off", "on"]
     assert (args.max_tokens, args.random_input_len, args.random_output_len, args.concurrency) == (
         256, 128, 128, 64)
@@ -146,6 +146,8 @@ CANNED = {  # the targets: grounded and random on decode tok/s, concurrent on ou
     "grounded/on": run([[1, 2, 3], [4, 5]], 60.0, 100.0),
     "random/off": run([[1, 2], [3, 4, 5]], 50.0, 60.0, drafts=0),
     "random/on": run([[1, 2], [3, 9, 5]], 40.0, 58.8),
+    "sampled/off": run([[1, 4], [3, 4]], 50.0, 60.0, drafts=0),
+    "sampled/on": run([[2, 4], [3, 5]], 49.0, 59.0),
     "concurrent/off": run([[7], [8]], 100.0, None, drafts=0),
     "concurrent/on": run([[7], [6]], 90.0, None, drafts=0),
     "llamacpp/off": {"status": "n/a", "reason": "llama_cpp not installed"},
@@ -155,7 +157,8 @@ CANNED = {  # the targets: grounded and random on decode tok/s, concurrent on ou
 
 def test_verdicts():
     comparison = bench.compare(CANNED)
-    assert set(comparison) == {"grounded", "random", "concurrent"}
+    assert set(comparison) == {"grounded", "random", "sampled", "concurrent"}
+    assert comparison["sampled"]["meets_target"] is True  # sampled text may differ: no FAIL
     assert comparison["grounded"]["on_over_off"] == {
         "output_tok_s": pytest.approx(1.5), "decode_tok_s": pytest.approx(2.0)}
     assert comparison["grounded"]["meets_target"] is True  # decode 2.0 >= 1.8
@@ -196,7 +199,7 @@ def test_parent_report_and_result_file(monkeypatch, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert set(report) == {"command", "settings", "environment", "results", "comparison",
                            "failures", "errors"}
-    assert len(report["results"]) == 8 and report["errors"] == []
+    assert len(report["results"]) == 10 and report["errors"] == []
     assert all("token_ids" not in r for r in report["results"].values())
     assert report["comparison"]["grounded"]["on_over_off"]["decode_tok_s"] == pytest.approx(2.0)
     assert report["settings"]["num_speculative_tokens"] == EngineConfig().num_speculative_tokens
