@@ -8,6 +8,7 @@ users reported).
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 
@@ -117,3 +118,29 @@ def test_default_model_copying_its_prompt(default_model):
         stats = llm.stats()
     assert out.token_ids == ref.token_ids
     assert stats.spec_accepted_tokens > max(20, 0.3 * stats.spec_draft_tokens)
+
+
+def test_mixed_batches_prefill_chunks_and_opted_out_requests(pair):
+    """Verifications share steps with other requests' prefill chunks (a long prompt in
+    16-token chunks) and with requests that opted out; greedy text is unchanged for all."""
+    target, draft = pair
+    prompts = PROMPTS + [np.random.default_rng(9).integers(3, 40000, 300).tolist()]
+    params = [GREEDY, msgspec.structs.replace(GREEDY, speculative=False), GREEDY, GREEDY]
+    ref, _ = generate(target, prompts, params, prefill_chunk_size=16)
+    for method in ("ngram", "draft"):
+        spec = dict(speculative_method=method, speculative_model=str(draft)
+                    if method == "draft" else None)
+        outs, stats = generate(target, prompts, params, prefill_chunk_size=16, **spec)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in ref], method
+        assert stats.spec_draft_tokens > 0
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(pair):
+    target, draft = pair
+    mine = SamplingParams(max_tokens=30, temperature=0.8, ignore_eos=True, seed=11)
+    others = SamplingParams(max_tokens=30, temperature=1.0, ignore_eos=True)
+    spec = dict(speculative_method="draft", speculative_model=str(draft))
+    alone, _ = generate(target, PROMPTS[:1], mine, **spec)
+    together, stats = generate(target, PROMPTS, [mine, others, others], **spec)
+    assert together[0].token_ids == alone[0].token_ids
+    assert stats.spec_draft_tokens > 0
