@@ -276,7 +276,12 @@ def run_llamacpp(args: argparse.Namespace, mode: str) -> Result:
             raise Unavailable(f"this llama_cpp has no prompt lookup decoding: {e}") from e
         extra["draft_model"] = LlamaPromptLookupDecoding(
             max_ngram_size=args.ngram_max, num_pred_tokens=args.num_speculative_tokens)
-    n_ctx = max(len(p) for p in prompts) + args.max_tokens + args.num_speculative_tokens + 16
+        # Verification reads logits at every position: without this its score buffer holds
+        # n_batch rows, and a sequence longer than n_batch overflows it.
+        extra["logits_all"] = True
+    # Room past the last token: its speculative loop evaluates drafts beyond where we stop.
+    n_ctx = (max(len(p) for p in prompts) + args.max_tokens
+             + 8 * (args.num_speculative_tokens + 1) + 64)
     start = time.perf_counter()
     llm = Llama(model_path=path, n_ctx=n_ctx, n_batch=512, n_threads=args.threads,
                 n_threads_batch=args.threads, seed=args.seed, verbose=False, **extra)
