@@ -118,6 +118,12 @@ def test_default_model_copying_its_prompt(default_model):
         stats = llm.stats()
     assert out.token_ids == ref.token_ids
     assert stats.spec_accepted_tokens > max(20, 0.3 * stats.spec_draft_tokens)
+    # The default model as its own draft model: the same text, every draft accepted.
+    with LLM("default", speculative_method="draft", speculative_model="default") as llm:
+        out = llm.chat(msgs, params)
+        stats = llm.stats()
+    assert out.token_ids == ref.token_ids
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens > 50
 
 
 def test_mixed_batches_prefill_chunks_and_opted_out_requests(pair):
