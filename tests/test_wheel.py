@@ -23,7 +23,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.frontend.server_process import free_port
+from tests.frontend.server_process import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (REPO / "kernels/cpu/csrc").iterdir()
@@ -117,14 +117,7 @@ def test_wheel_installs_prepares_and_serves(tmp_path):
                               stderr=subprocess.STDOUT, start_new_session=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        while time.monotonic() - t0 < 300:
-            assert server.poll() is None, Path(log.name).read_text()
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        assert wait_healthy(url, server, 300), Path(log.name).read_text()
         timings["serve start"] = time.monotonic() - t0
         t0 = time.monotonic()
         reply = httpx.post(f"{url}/v1/chat/completions", timeout=120, json={

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.model_config import SLIDING
+from engine.model_config import FULL, SLIDING
 from engine.protocol import ScheduledSeq, StepPlan, unpack_ids
 from workers.attention import SeqSlice
 from workers.sample.sampler import SamplingState
@@ -51,7 +51,7 @@ def resolve_inputs(plan: StepPlan, states: dict[str, SamplingState], groups: lis
                    ) -> list[StepInput]:
     """Every seq's real input tokens; an empty token list is the overlap placeholder: the token
     this worker sampled for the request in the previous step."""
-    full = groups.index("full") if "full" in groups else None
+    full = groups.index(FULL) if FULL in groups else None
     inputs = []
     for seq in plan.seqs:
         tokens = unpack_ids(seq.token_ids)

@@ -22,6 +22,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_healthy(base_url: str, proc: subprocess.Popen, timeout: float) -> bool:
+    """Poll /health until it answers 200 (True), `proc` exits or `timeout` passes (False)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def descendants(pid: int) -> list[int]:
     """Pids of every live process below `pid` (from /proc; no psutil needed)."""
     parents: dict[int, int] = {}
@@ -58,16 +71,10 @@ class ServerProcess:
         self._wait_healthy(timeout)
 
     def _wait_healthy(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
-            try:
-                if httpx.get(f"{self.base_url}/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
+        if wait_healthy(self.base_url, self.proc, timeout):
+            return
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.output()}")
         self.stop()
         raise RuntimeError(f"server not healthy after {timeout}s:\n{self.output()}")
 

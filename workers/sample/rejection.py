@@ -94,15 +94,7 @@ def _rejection(sampler: Sampler, probs: torch.Tensor, v: Verification) -> list[i
             residual[draft] = 0.0
         else:
             residual = (p - v.draft_probs[j]).clamp_(min=0.0)
-        tokens.append(_draw(sampler, v.state, residual if residual.sum() > 0 else p))
+        tokens.append(sampler.draw(v.state, residual if residual.sum() > 0 else p))
         return tokens
-    tokens.append(_draw(sampler, v.state, probs[len(v.drafts)]))
+    tokens.append(sampler.draw(v.state, probs[len(v.drafts)]))
     return tokens
-
-
-def _draw(sampler: Sampler, state: SamplingState, weights: torch.Tensor) -> int:
-    """Inverse-CDF draw from unnormalized non-negative weights."""
-    cdf = weights.cumsum(dim=0)
-    u = sampler.uniform(state) * float(cdf[-1])
-    index = int(torch.searchsorted(cdf, torch.tensor([u]), right=True))
-    return min(index, weights.shape[0] - 1)

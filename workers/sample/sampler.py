@@ -61,6 +61,13 @@ class Sampler:
         depend on nothing else in the batch), else from the engine's."""
         return float(torch.rand(1, generator=state.generator or self.generator))
 
+    def draw(self, state: SamplingState, weights: torch.Tensor) -> int:
+        """One token for one request by inverse CDF over unnormalized non-negative weights
+        [V] (right=True never lands on a zero-weight token)."""
+        cdf = weights.cumsum(dim=0)
+        u = torch.tensor([self.uniform(state) * float(cdf[-1])])
+        return min(int(torch.searchsorted(cdf, u, right=True)), weights.shape[0] - 1)
+
     def _sample(self, logits: torch.Tensor, states, greedy: list[bool]) -> torch.Tensor:
         vocab = logits.shape[1]
         probs = processed_probs(logits, states, greedy)

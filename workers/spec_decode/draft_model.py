@@ -157,8 +157,5 @@ class DraftModelProposer(Proposer):
             if greedy[i]:
                 draft.tokens.append(int(scores[i].argmax()))
                 continue
-            cdf = probs[i].cumsum(dim=0)
-            u = torch.tensor([self.sampler.uniform(state) * float(cdf[-1])])
-            draft.tokens.append(min(int(torch.searchsorted(cdf, u, right=True)),
-                                    probs.shape[1] - 1))
+            draft.tokens.append(self.sampler.draw(state, probs[i]))
             draft.probs.append(probs[i])
