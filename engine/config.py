@@ -63,6 +63,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     ngram_max: int = 4
     # No speculation in a step with more running requests than this (None: no limit).
     speculative_disable_by_batch_size: int | None = None
+    # Structured output: a grammar that takes longer to compile is refused (a 400), and so is
+    # one whose text (schema, regex, EBNF, choices) is longer than this many bytes.
+    grammar_compile_timeout: float = 20.0
+    grammar_max_bytes: int = 65536
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):
@@ -100,6 +104,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         limit = self.speculative_disable_by_batch_size
         _require(limit is None or limit >= 1,
                  f"--speculative-disable-by-batch-size must be at least 1, got {limit}")
+
+    def check_structured(self) -> None:
+        """Raise ModelConfigError, naming the flag, for unusable structured-output limits."""
+        timeout = self.grammar_compile_timeout
+        _require(timeout > 0, f"--grammar-compile-timeout must be positive, got {timeout:g}")
+        _require(self.grammar_max_bytes >= 1,
+                 f"--grammar-max-bytes must be at least 1, got {self.grammar_max_bytes}")
 
     def model_config(self) -> ModelConfig:
         """The model's config (parsed once per process); ModelConfigError if unusable."""

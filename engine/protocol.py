@@ -35,6 +35,21 @@ class FinishReason(enum.IntEnum):
         return {1: "stop", 2: "length", 3: "abort", 4: "error"}[int(self)]
 
 
+class GrammarSpec(msgspec.Struct, **_STRUCT):
+    """A structured-output constraint, as text the grammar backend compiles.
+
+    kind: "json_schema" (spec: the schema as JSON text), "json_object" (any JSON object; no
+    spec), "regex" or "ebnf" (a GBNF-style grammar whose start rule is `root`). A choice is sent
+    as the EBNF of its alternatives.
+    """
+
+    kind: str
+    spec: str = ""
+
+    def cache_key(self) -> tuple[str, str]:
+        return (self.kind, self.spec)
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     """Per-request generation settings (OpenAI names; vLLM-style extensions)."""
 
@@ -55,6 +70,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     skip_special_tokens: bool = True
     # Per-request opt-out of speculative decoding (the engine decides when it is on).
     speculative: bool = True
+    # Structured output: every sampled token must keep the output inside this grammar.
+    grammar: GrammarSpec | None = None
 
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
@@ -66,6 +83,11 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
 class ChatMessage(msgspec.Struct, **_STRUCT):
     role: str
     content: str
+    # OpenAI tool calling: an assistant turn's calls ({"id", "type", "function": {"name",
+    # "arguments"}}), a tool turn's answer to one of them.
+    tool_calls: list[dict] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
 
 
 class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
@@ -77,6 +99,8 @@ class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
     prompt_token_ids: bytes | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # Function tools the chat template renders ({"type": "function", "function": {...}}).
+    tools: list[dict] | None = None
 
 
 class Abort(msgspec.Struct, tag=True, **_STRUCT):
@@ -236,6 +260,21 @@ class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
     swap_in: bytes = b""
 
 
+class CompileGrammar(msgspec.Struct, tag=True, **_STRUCT):
+    """Compile a request's grammar before it is scheduled (workers compile off their step loop;
+    rank 0 answers with GrammarReady)."""
+
+    request_id: str
+    grammar: GrammarSpec
+
+
+class GrammarReady(msgspec.Struct, tag=True, **_STRUCT):
+    """A request's grammar compiled (error None) or was refused (error names the problem)."""
+
+    request_id: str
+    error: str | None = None
+
+
 class Shutdown(msgspec.Struct, tag=True, **_STRUCT):
     reason: str = ""
 
@@ -273,7 +312,7 @@ class ProcessFailed(msgspec.Struct, tag=True, **_STRUCT):
 
 # What each process's one inbound socket carries.
 TokenizerInbound = GenerateRequest | Abort | TokenBatch  # from the client and the scheduler
-SchedulerInbound = TokenizedRequest | Abort | StepResult  # from the tokenizer and worker rank 0
-WorkerInbound = StepPlan | Shutdown  # from the scheduler
+SchedulerInbound = TokenizedRequest | Abort | StepResult | GrammarReady  # tokenizer, rank 0
+WorkerInbound = StepPlan | CompileGrammar | Shutdown  # from the scheduler
 ControlMessage = ProcessReady | ProcessFailed  # children -> launcher
 

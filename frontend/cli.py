@@ -48,6 +48,10 @@ _ENGINE_ARGS = [
     ("--ngram-max", int, "ngram: longest n-gram looked up (default 4)"),
     ("--speculative-disable-by-batch-size", int, "no speculation in a step with more running "
      "requests than this (default: no limit)"),
+    ("--grammar-compile-timeout", float, "structured output: seconds a grammar may take to "
+     "compile before its request is refused (default 20)"),
+    ("--grammar-max-bytes", int, "structured output: longest schema, regex, EBNF or choice list "
+     "accepted, in bytes (default 65536)"),
 ]
 # Flags whose values argparse checks (a typo is refused before anything starts).
 _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS}

@@ -8,12 +8,20 @@ a prefix of them plus one token of the target's (workers/sample/rejection.py).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import numpy as np
 import torch
 
 from engine.config import SLIDING, EngineConfig
-from engine.protocol import SampledLogprobs, StepPlan, StepResult, pack_ids, unpack_ids
+from engine.protocol import (
+    CompileGrammar,
+    SampledLogprobs,
+    StepPlan,
+    StepResult,
+    pack_ids,
+    unpack_ids,
+)
 from workers.attention import select_backend
 from workers.kv_copy import copy_blocks
 from workers.loader import DTYPES, load_model
@@ -22,6 +30,8 @@ from workers.sample.sampler import Sampler, SamplingState
 from workers.spec_decode.base import Draft, DraftRequest, Proposer, StepInput
 from workers.spec_decode.factory import build_proposer
 from workers.step_batch import SeqRows, StepBatch, build_batch, resolve_inputs
+from workers.structured.compile_service import GrammarCompileService
+from workers.structured.masks import MaskedRows, accept, allowed_drafts, fill_bitmask
 
 
 class ModelRunner:
@@ -56,6 +66,26 @@ class ModelRunner:
         self.states: dict[str, SamplingState] = {}
         self.proposer: Proposer | None = build_proposer(config, self.sampler)
         self.last_hidden: dict[str, torch.Tensor] = {}  # for proposers that read it
+        self._grammars: GrammarCompileService | None = None  # with the first structured request
+
+    @property
+    def grammars(self) -> GrammarCompileService:
+        if self._grammars is None:
+            config, info = self.config, self.config.model_config()
+
+            def backend():  # xgrammar (and transformers) load in the compile thread
+                from workers.structured.xgrammar_backend import XGrammarBackend
+
+                return XGrammarBackend.for_model(config.resolved_model_dir(), info.vocab_size,
+                                                 list(info.eos_token_ids))
+
+            self._grammars = GrammarCompileService(backend, config.grammar_compile_timeout)
+        return self._grammars
+
+    def compile_grammar(self, msg: CompileGrammar,
+                        on_ready: Callable[[str, str | None], None]) -> None:
+        """Start compiling a request's grammar off the step loop; `on_ready` follows."""
+        self.grammars.submit(msg.request_id, msg.grammar, on_ready)
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies, before the forward: swap-outs first, then swap-ins."""
@@ -73,11 +103,18 @@ class ModelRunner:
         for rid in plan.finished:
             self.states.pop(rid, None)
             self.last_hidden.pop(rid, None)
+            if self._grammars is not None:
+                self._grammars.forget(rid)
         if self.proposer is not None and plan.finished:
             self.proposer.forget(plan.finished)
         for new in plan.new_requests:
             prompt = torch.from_numpy(unpack_ids(new.prompt_ids).copy())
-            self.states[new.request_id] = SamplingState.create(new.params, prompt)
+            state = SamplingState.create(new.params, prompt)
+            if new.params.grammar is not None:
+                grammars = self.grammars
+                state.grammar = grammars.backend.matcher(
+                    grammars.take(new.request_id, new.params.grammar))
+            self.states[new.request_id] = state
 
     def _propose(self, plan: StepPlan, inputs: list[StepInput]
                  ) -> tuple[dict[int, Draft], dict[int, DraftRequest]]:
@@ -91,6 +128,8 @@ class ModelRunner:
         out = {}
         for (i, req), draft in zip(requests.items(), drafts):
             keep = draft.tokens[: req.max_drafts]
+            if req.state.grammar is not None:
+                keep = allowed_drafts(req.state.grammar, keep, draft.probs is not None)
             probs = draft.probs[: len(keep)] if draft.probs is not None else None
             out[i] = Draft(keep, probs)
         return out, requests
@@ -120,11 +159,24 @@ class ModelRunner:
                                                                else 0))
             r.logit_row = first
         logits = self.model.compute_logits(hidden[torch.tensor(index)])
+        self._constrain(logits, sampled)
         t1 = time.perf_counter()
         new = self._sample(logits, sampled)
         t2 = time.perf_counter()
         self._record(sampled, new, requests, hidden, index)
         return self._result(plan, sampled, new, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+
+    def _constrain(self, logits: torch.Tensor, sampled: list[SeqRows]) -> None:
+        """Structured output: tokens the grammar forbids get -inf, on the rows of constrained
+        requests only (their logprobs are then the constrained distribution's)."""
+        rows = [MaskedRows(r.state.grammar, r.draft.tokens if r.draft else [], r.logit_row)
+                for r in sampled if r.state.grammar is not None]
+        if not rows:
+            return
+        backend = self.grammars.backend
+        bitmask, masked = fill_bitmask(backend, rows, logits.shape[0])
+        if masked:
+            backend.apply(logits, bitmask, masked)
 
     def _sample(self, logits: torch.Tensor, sampled: list[SeqRows]
                 ) -> list[tuple[list[int], list[SampledLogprobs | None]]]:
@@ -153,6 +205,8 @@ class ModelRunner:
         by_id = {req.request_id: req for req in requests.values()}
         for r, (tokens, _) in zip(sampled, new):
             r.state.output_ids.extend(tokens)
+            if r.state.grammar is not None:
+                accept(r.state.grammar, tokens)
             req = by_id.get(r.seq.request_id)
             if req is not None and self.proposer is not None:
                 self.proposer.verified(req, len(r.draft.tokens), len(tokens) - 1)

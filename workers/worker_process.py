@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 
 import msgspec
 import torch
 
 from engine import envs
-from engine.protocol import Shutdown, WorkerInbound
+from engine.protocol import CompileGrammar, GrammarReady, Shutdown, WorkerInbound
 from engine.runtime.ipc import pull, push
 from engine.runtime.process_entry import ChildContext
 
@@ -40,10 +41,21 @@ def main(ctx: ChildContext) -> None:
     log.info("rank %d ready: %d KV blocks, %d threads", ctx.rank, runner.num_blocks,
              torch.get_num_threads())
     ctx.ready(num_kv_blocks=str(runner.num_blocks))
+    send_lock = threading.Lock()  # grammar answers come from the compile threads
+
+    def grammar_ready(request_id: str, error: str | None) -> None:
+        if to_scheduler is not None:
+            with send_lock:
+                to_scheduler.send(encode(GrammarReady(request_id, error)))
+
     while True:
         msg = decode(inbound.recv())
         if isinstance(msg, Shutdown):
             return
+        if isinstance(msg, CompileGrammar):
+            runner.compile_grammar(msg, grammar_ready)
+            continue
         result = runner.execute(msg)
         if to_scheduler is not None:
-            to_scheduler.send(encode(result))
+            with send_lock:
+                to_scheduler.send(encode(result))

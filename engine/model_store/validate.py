@@ -56,9 +56,11 @@ def ensure_model(model: str) -> str:
 
 def ensure_config(config: EngineConfig) -> EngineConfig:
     """`config` checked before any process starts, with the models to run: the speculative
-    settings first (a typo costs no download), then --model (ensure_model), then a draft model
-    like --model, resolved to its directory. Raises ModelConfigError."""
+    and structured-output settings first (a typo costs no download), then --model
+    (ensure_model), then a draft model like --model, resolved to its directory. Raises
+    ModelConfigError."""
     config.check_speculative()
+    config.check_structured()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))
     if config.speculative_method == "draft":
         config = msgspec.structs.replace(

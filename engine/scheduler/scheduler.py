@@ -65,6 +65,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
+        # Requests whose grammar the workers are compiling: scheduled only once it is ready.
+        self.compiling: dict[str, Request] = {}
         self._finished_for_workers: list[str] = []
         self._arrivals = 0
         self._step_id = 0
@@ -94,8 +96,25 @@ class Scheduler:
                       len(self.config.kv_groups))
         self._arrivals += 1
         self.requests[req.request_id] = req
-        self.waiting.append(req)
+        if msg.params.grammar is not None:
+            self.compiling[req.request_id] = req
+        else:
+            self.waiting.append(req)
         return None
+
+    def grammar_ready(self, request_id: str, error: str | None) -> TokenDelta | None:
+        """The workers compiled a request's grammar: queue it, answering with an empty delta
+        (the tokenizer releases the request's first output on it), or reject it with `error`.
+        None when the request was aborted meanwhile."""
+        req = self.compiling.pop(request_id, None)
+        if req is None:
+            return None
+        if error is not None:
+            del self.requests[request_id]
+            self._finished_for_workers.append(request_id)  # the workers drop the grammar
+            return self._reject(request_id, error)
+        self.waiting.append(req)
+        return TokenDelta(request_id, b"")
 
     @staticmethod
     def _reject(request_id: str, why: str) -> TokenDelta:
@@ -105,6 +124,10 @@ class Scheduler:
         """End requests early: ABORT (client gone: nothing is cached) or STOP (a stop string
         matched in the tokenizer: the request finished normally and seeds the prefix cache)."""
         for rid in request_ids:
+            if self.compiling.pop(rid, None) is not None:
+                del self.requests[rid]
+                self._finished_for_workers.append(rid)
+                continue
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, reason)
@@ -285,7 +308,7 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=len(self.waiting),
+            num_waiting=len(self.waiting) + len(self.compiling),
             kv_blocks_total=self.kv.num_total(),
             # Exact when idle (tests and dashboards wait for it), at most 0.25 s old otherwise.
             kv_blocks_free=self.kv.num_reusable(max_age=0.25 if self.running else 0.0),

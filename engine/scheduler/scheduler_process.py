@@ -15,7 +15,15 @@ import time
 import msgspec
 import zmq
 
-from engine.protocol import Abort, SchedulerInbound, StepResult, TokenBatch, TokenizedRequest
+from engine.protocol import (
+    Abort,
+    CompileGrammar,
+    GrammarReady,
+    SchedulerInbound,
+    StepResult,
+    TokenBatch,
+    TokenizedRequest,
+)
 from engine.runtime.ipc import pull, push
 from engine.runtime.process_entry import ChildContext
 from engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
@@ -74,9 +82,7 @@ class SchedulerLoop:
             step = self.scheduler.schedule()
             self.stats.schedule_seconds += time.perf_counter() - t0
             if step is not None:
-                payload = self.encode(step.plan)
-                for sock in self.to_workers:
-                    sock.send(payload)
+                self._send_workers(step.plan)
             if in_flight is None and step is None and self.scheduler.has_work():
                 # Nothing fits and nothing runs: only a new message can change that.
                 self.pending.append(self.decode(self.inbound.recv()))
@@ -98,18 +104,29 @@ class SchedulerLoop:
     def _handle(self, msgs: list) -> None:
         if not msgs:
             return
-        errors = []
+        deltas = []
         for msg in msgs:
             if isinstance(msg, TokenizedRequest):
                 err = self.scheduler.add(msg)
                 if err is not None:
-                    errors.append(err)
+                    deltas.append(err)
+                elif msg.params.grammar is not None:
+                    self._send_workers(CompileGrammar(msg.request_id, msg.params.grammar))
+            elif isinstance(msg, GrammarReady):
+                delta = self.scheduler.grammar_ready(msg.request_id, msg.error)
+                if delta is not None:
+                    deltas.append(delta)
             elif isinstance(msg, Abort):
                 self.scheduler.abort(msg.request_ids, msg.reason)
-            else:
+            elif isinstance(msg, StepResult):
                 self.results[msg.step_id] = msg
         # Always report: rejections, and freed blocks after aborts, show up right away.
-        self.to_tokenizer.send(self.encode(TokenBatch(errors, self._stats())))
+        self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
+
+    def _send_workers(self, msg) -> None:
+        payload = self.encode(msg)
+        for sock in self.to_workers:
+            sock.send(payload)
 
     def _finish_step(self, step: ScheduledStep) -> None:
         t0 = time.perf_counter()

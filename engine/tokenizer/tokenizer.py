@@ -10,6 +10,9 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.protocol import ChatMessage
+from engine.tokenizer.tool_prompt import hermes_messages, renders_tools
+
 
 def _token_text(value) -> str | None:
     if isinstance(value, dict):
@@ -19,6 +22,18 @@ def _token_text(value) -> str | None:
 
 class ChatTemplateError(ValueError):
     pass
+
+
+def chat_dict(msg: ChatMessage) -> dict:
+    """A message as chat templates read it: role and content, tool fields when present."""
+    out: dict = {"role": msg.role, "content": msg.content}
+    if msg.tool_calls:
+        out["tool_calls"] = msg.tool_calls
+    if msg.tool_call_id is not None:
+        out["tool_call_id"] = msg.tool_call_id
+    if msg.name is not None:
+        out["name"] = msg.name
+    return out
 
 
 class Tokenizer:
@@ -50,10 +65,17 @@ class Tokenizer:
         return self.hf.decode([token_id], skip_special_tokens=False)
 
     def apply_chat_template(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> str:
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
+        extra = {}
+        if renders_tools(self.chat_template):
+            if tools:
+                extra["tools"] = tools
+        elif tools or any(m.get("tool_calls") or m["role"] == "tool" for m in messages):
+            messages = hermes_messages(messages, tools)
         if self._compiled is None:
             env = jinja2.sandbox.ImmutableSandboxedEnvironment(
                 trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
@@ -67,12 +89,14 @@ class Tokenizer:
             add_generation_prompt=add_generation_prompt,
             bos_token=self.bos_token or "",
             eos_token=self.eos_token or "",
+            **extra,
         )
 
     def encode_chat(
-        self, messages: list[dict[str, str]], add_generation_prompt: bool = True
+        self, messages: list[dict], add_generation_prompt: bool = True,
+        tools: list[dict] | None = None,
     ) -> tuple[str, list[int]]:
-        text = self.apply_chat_template(messages, add_generation_prompt)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools)
         # The template already holds every special token it wants.
         return text, self.encode(text, add_special_tokens=False)
 

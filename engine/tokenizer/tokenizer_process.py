@@ -29,7 +29,7 @@ from engine.protocol import (
 from engine.runtime.ipc import pull, push
 from engine.runtime.process_entry import ChildContext
 from engine.tokenizer.detokenizer import IncrementalDetokenizer
-from engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer
+from engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer, chat_dict
 
 log = logging.getLogger("deepinfer.tokenizer")
 
@@ -52,16 +52,21 @@ class TokenizerService:
         # Ids the model can embed: the smaller of the tokenizer's and the model's vocabulary.
         self.vocab_limit = min(tokenizer.vocab_size, model_vocab_size or tokenizer.vocab_size)
         self.live: dict[str, _Live] = {}
+        # First outputs of structured requests, held until the scheduler says their grammar
+        # compiled: a refused grammar must reach the client as the first output (a 400).
+        self.held: dict[str, RequestOutput] = {}
 
-    def tokenize(self, req: GenerateRequest) -> tuple[TokenizedRequest | None, RequestOutput]:
-        """Returns the scheduler's request (None when rejected) and the first client output."""
+    def tokenize(self, req: GenerateRequest
+                 ) -> tuple[TokenizedRequest | None, RequestOutput | None]:
+        """Returns the scheduler's request (None when rejected) and the first client output
+        (None: held until the request's grammar is ready)."""
         try:
             prompt_text = None
             if req.messages is not None:
                 if not req.messages:
                     raise ValueError("messages must not be empty")
-                msgs = [{"role": m.role, "content": m.content} for m in req.messages]
-                prompt_text, ids = self.tokenizer.encode_chat(msgs, req.add_generation_prompt)
+                prompt_text, ids = self.tokenizer.encode_chat(
+                    [chat_dict(m) for m in req.messages], req.add_generation_prompt, req.tools)
             elif req.prompt_token_ids is not None:
                 ids = unpack_ids(req.prompt_token_ids).tolist()
                 bad = [i for i in ids if not 0 <= i < self.vocab_limit]
@@ -94,11 +99,29 @@ class TokenizerService:
             prompt_tokens=len(ids),
         )
         first = RequestOutput(req.request_id, prompt_tokens=len(ids), prompt_text=prompt_text)
-        return TokenizedRequest(req.request_id, pack_ids(ids), p), first
+        tokenized = TokenizedRequest(req.request_id, pack_ids(ids), p)
+        if p.grammar is not None:
+            self.held[req.request_id] = first
+            return tokenized, None
+        return tokenized, first
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.live.pop(rid, None)
+            self.held.pop(rid, None)
+
+    def outputs(self, delta: TokenDelta) -> tuple[list[RequestOutput], bool]:
+        """The client outputs for one delta (a held first output goes out before the delta's
+        own, unless the delta refuses the request); the bool says the scheduler must abort it
+        (stop string hit)."""
+        held = self.held.pop(delta.request_id, None)
+        if held is not None and delta.finish_reason != FinishReason.ERROR:
+            if not len(delta.token_ids) and delta.finish_reason is None:
+                return [held], False  # the grammar is ready: nothing else to say yet
+            out, stop_hit = self.detokenize(delta)
+            return [held] + ([out] if out is not None else []), stop_hit
+        out, stop_hit = self.detokenize(delta)
+        return ([out] if out is not None else []), stop_hit
 
     def detokenize(self, delta: TokenDelta) -> tuple[RequestOutput | None, bool]:
         """Text for one delta; the bool says the scheduler must abort it (stop string hit)."""
@@ -161,7 +184,8 @@ def main(ctx: ChildContext) -> None:
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
                 tokenized, first = service.tokenize(msg)
-                outputs.append(first)
+                if first is not None:
+                    outputs.append(first)
                 if tokenized is not None:
                     to_scheduler.send(encode(tokenized))
             elif isinstance(msg, Abort):
@@ -172,9 +196,8 @@ def main(ctx: ChildContext) -> None:
                 stats = msg.stats or stats
                 stopped = []
                 for delta in msg.deltas:
-                    out, stop_hit = service.detokenize(delta)
-                    if out is not None:
-                        outputs.append(out)
+                    outs, stop_hit = service.outputs(delta)
+                    outputs.extend(outs)
                     if stop_hit:
                         stopped.append(delta.request_id)
                 if stopped:  # a normal finish for the scheduler: its KV is worth caching

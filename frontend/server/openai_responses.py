@@ -37,10 +37,23 @@ class ChatLogprobs(msgspec.Struct):
     refusal: list[ChatLogprobEntry] | None = None
 
 
+class FunctionCallOut(msgspec.Struct):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCallOut(msgspec.Struct):
+    id: str
+    function: FunctionCallOut
+    type: str = "function"
+
+
 class ChatMessageOut(msgspec.Struct):
     role: str
     content: str | None
     refusal: str | None = None
+    # Only on turns that called tools (left out, not null, otherwise; as OpenAI does).
+    tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -60,9 +73,25 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
 
 
+class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDeltaOut(msgspec.Struct, omit_defaults=True):
+    """A piece of one tool call: the first names it (id, type, function name), the following
+    ones carry further text of its arguments."""
+
+    index: int
+    id: str | None = None
+    type: str | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDeltaOut] | None = None
 
 
 class ChatChunkChoice(msgspec.Struct):

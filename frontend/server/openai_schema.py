@@ -64,6 +64,13 @@ class _SamplingFields(msgspec.Struct, **_REQ):
     skip_special_tokens: bool | None = None
     # DeepInfer extension: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = None
+    # Structured output: OpenAI's response_format, then vLLM's guided decoding extensions.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[Any] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, **_REQ):
@@ -71,7 +78,6 @@ class ChatCompletionRequest(_SamplingFields, **_REQ):
     logprobs: bool | None = None
     top_logprobs: int | None = None
     max_completion_tokens: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -38,8 +38,21 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
         if msg.role not in ROLES:
             raise APIError(f"unknown role {msg.role!r}", param=f"messages[{i}].role")
         role = "system" if msg.role == "developer" else msg.role
-        out.append(ChatMessage(role, _content(msg, i)))
+        out.append(ChatMessage(role, _content(msg, i), _tool_calls(msg, i), msg.tool_call_id,
+                               msg.name))
     return out
+
+
+def _tool_calls(msg: Message, i: int) -> list[dict] | None:
+    """An assistant turn's earlier tool calls, as chat templates read them."""
+    if not msg.tool_calls:
+        return None
+    for j, call in enumerate(msg.tool_calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise APIError("a tool call needs a function with a name",
+                           param=f"messages[{i}].tool_calls[{j}].function")
+    return list(msg.tool_calls)
 
 
 def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from engine.protocol import SamplingParams
+from engine.protocol import GrammarSpec, SamplingParams
 from frontend.server.errors import APIError
 from frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
 
@@ -100,7 +100,8 @@ def _stop_token_ids(ids: list[int] | None) -> list[int]:
     return stop_ids
 
 
-def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None,
+            grammar: GrammarSpec | None) -> SamplingParams:
     temperature, top_p, min_p, rep = _floats(req)
     _check(not req.logit_bias, "logit_bias", "logit_bias is not supported")
     n = 1 if req.n is None else req.n
@@ -121,19 +122,18 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> Samp
         logprobs=logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
         speculative=req.speculative_decoding is not False,
+        grammar=grammar,
     )
 
 
 def _check_chat_features(req: ChatCompletionRequest) -> None:
-    fmt = (req.response_format or {}).get("type", "text")
-    _check(fmt == "text", "response_format", f"response_format {fmt!r} is not supported yet")
-    forced_tool = req.tool_choice not in (None, "none", "auto")
-    _check(not forced_tool, "tool_choice", "tool calling is not supported")
     forced_fn = req.function_call not in (None, "none", "auto")
-    _check(not forced_fn, "function_call", "function calling is not supported")
+    _check(not forced_fn, "function_call",
+           "the legacy function_call is not supported; use tools and tool_choice")
 
 
-def chat_params(req: ChatCompletionRequest, context_len: int) -> SamplingParams:
+def chat_params(req: ChatCompletionRequest, context_len: int,
+                grammar: GrammarSpec | None = None) -> SamplingParams:
     """SamplingParams for a chat request. Without a limit, generation runs to the context end."""
     _check_chat_features(req)
     if req.max_completion_tokens is not None:
@@ -152,10 +152,11 @@ def chat_params(req: ChatCompletionRequest, context_len: int) -> SamplingParams:
         )
     if req.logprobs:
         logprobs = req.top_logprobs or 0
-    return _common(req, max_tokens, logprobs)
+    return _common(req, max_tokens, logprobs, grammar)
 
 
-def completion_params(req: CompletionRequest, context_len: int) -> SamplingParams:
+def completion_params(req: CompletionRequest, context_len: int,
+                      grammar: GrammarSpec | None = None) -> SamplingParams:
     n = 1 if req.n is None else req.n
     _check(req.best_of in (None, n), "best_of", "best_of other than n is not supported")
     _check(req.suffix is None, "suffix", "suffix is not supported")
@@ -168,4 +169,4 @@ def completion_params(req: CompletionRequest, context_len: int) -> SamplingParam
             "logprobs",
             f"logprobs must be between 0 and {MAX_LOGPROBS}",
         )
-    return _common(req, max_tokens, req.logprobs)
+    return _common(req, max_tokens, req.logprobs, grammar)

@@ -73,7 +73,8 @@ def serve(
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
     from engine.runtime.async_client import AsyncEngineClient
 
-    state = ServerState(max_pending, model_aliases=(config.model,))
+    state = ServerState(max_pending, model_aliases=(config.model,),
+                        grammar_max_bytes=config.grammar_max_bytes)
     exit_code = 0
     server: _Server | None = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from collections.abc import AsyncGenerator
@@ -10,7 +11,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.protocol import FinishReason, GenerateRequest
+from engine.protocol import FinishReason, GenerateRequest, GrammarSpec
 from frontend.server.errors import APIError
 from frontend.server.generation import Generation, collect, engine_error, seeded
 from frontend.server.http_io import (
@@ -28,11 +29,17 @@ from frontend.server.openai_responses import (
     ChatCompletionChunk,
     ChatDelta,
     ChatMessageOut,
+    FunctionCallDelta,
+    FunctionCallOut,
+    ToolCallDeltaOut,
+    ToolCallOut,
 )
 from frontend.server.openai_schema import ChatCompletionRequest, decode_chat
 from frontend.server.prompts import chat_messages
 from frontend.server.sampling import chat_params
 from frontend.server.state import ServerState
+from frontend.server.structured import grammar_spec
+from frontend.server.tool_calls import ParsedDelta, ToolCallParser, ToolSetup, parse_tools
 
 _encode = msgspec.json.Encoder().encode
 
@@ -40,14 +47,20 @@ _encode = msgspec.json.Encoder().encode
 async def create_chat_completion(state: ServerState, request: Request) -> Response | SSEResponse:
     req = await read_json(request, decode_chat)
     state.check_model(req.model)
-    params = chat_params(req, state.context_len)
+    tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
+    tool_schema = tools.grammar_schema() if tools is not None else None
+    tool_grammar = None if tool_schema is None else GrammarSpec(
+        "json_schema", json.dumps(tool_schema, ensure_ascii=False))
+    params = chat_params(req, state.context_len,
+                         grammar_spec(req, state.grammar_max_bytes, tool_grammar))
     messages = chat_messages(req.messages)
+    rendered_tools = tools.render_tools() if tools is not None else None
     n = req.n or 1
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     add_prompt = req.add_generation_prompt is not False
     engine_requests = [
         GenerateRequest(f"{rid}-{i}", seeded(params, i), messages=messages,
-                        add_generation_prompt=add_prompt)
+                        add_generation_prompt=add_prompt, tools=rendered_tools)
         for i in range(n)
     ]
     gen = Generation(state, "chat", engine_requests, param="messages")
@@ -58,29 +71,48 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         raise
     created = int(time.time())
     if req.stream:
-        return SSEResponse(_events(gen, req, rid, created, state.model_name))
+        return SSEResponse(_events(gen, req, rid, created, state.model_name, tools))
     results = await run_until_disconnect(request, collect(gen))
     if results is None:
         return Response(status_code=499)
-    choices = [
-        ChatChoice(
+    choices = []
+    for i, r in enumerate(results):
+        parser = ToolCallParser(tools)
+        parser.feed("".join(r.text))
+        parser.finish()
+        calls = [ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in parser.calls]
+        message = ChatMessageOut("assistant", parser.content or (None if calls else ""),
+                                 tool_calls=calls or msgspec.UNSET)
+        choices.append(ChatChoice(
             index=i,
-            message=ChatMessageOut("assistant", "".join(r.text)),
+            message=message,
             logprobs=chat_logprobs(r.logprobs) if req.logprobs else None,
-            finish_reason=r.finish_reason,
-        )
-        for i, r in enumerate(results)
-    ]
+            finish_reason=_finish_reason(r.finish_reason, bool(calls)),
+        ))
     body = ChatCompletion(rid, created, state.model_name, choices, gen.usage(n))
     return Response(_encode(body), media_type="application/json")
 
 
+def _finish_reason(reason: str | None, called: bool) -> str | None:
+    """OpenAI says "tool_calls" when a turn that called tools ended by itself."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def _delta(parsed: ParsedDelta) -> ChatDelta:
+    calls = [ToolCallDeltaOut(c.index, c.id, "function" if c.id else None,
+                              FunctionCallDelta(c.name, c.arguments))
+             for c in parsed.calls]
+    return ChatDelta(content=parsed.content or None, tool_calls=calls or None)
+
+
 async def _events(
-    gen: Generation, req: ChatCompletionRequest, rid: str, created: int, model: str
+    gen: Generation, req: ChatCompletionRequest, rid: str, created: int, model: str,
+    tools: ToolSetup | None,
 ) -> AsyncGenerator[bytes, None]:
     def chunk(choices: list[ChatChunkChoice], **kw) -> bytes:
         return sse_event(_encode(ChatCompletionChunk(rid, created, model, choices, **kw)))
 
+    parsers = [ToolCallParser(tools) for _ in range(gen.n)]
     try:
         for i in range(gen.n):
             yield chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])
@@ -89,10 +121,15 @@ async def _events(
                 raise engine_error(gen.state, out.error or "request failed", gen.param)
             if not (out.text or out.logprobs or out.finish_reason is not None):
                 continue
-            finish = FinishReason(out.finish_reason).openai() if out.finish_reason else None
+            parsed = parsers[i].feed(out.text)
+            finish = None
+            if out.finish_reason is not None:
+                parsed = parsed.merge(parsers[i].finish())
+                finish = _finish_reason(FinishReason(out.finish_reason).openai(),
+                                        bool(parsers[i].calls))
             yield chunk([ChatChunkChoice(
                 index=i,
-                delta=ChatDelta(content=out.text) if out.text else ChatDelta(),
+                delta=_delta(parsed),
                 logprobs=chat_logprobs(out.logprobs) if req.logprobs else None,
                 finish_reason=finish,
             )])

@@ -26,6 +26,7 @@ from frontend.server.openai_schema import CompletionRequest, decode_completion
 from frontend.server.prompts import completion_prompts
 from frontend.server.sampling import completion_params
 from frontend.server.state import ServerState
+from frontend.server.structured import grammar_spec
 
 _encode = msgspec.json.Encoder().encode
 
@@ -48,7 +49,8 @@ def _engine_requests(
 async def create_completion(state: ServerState, request: Request) -> Response | SSEResponse:
     req = await read_json(request, decode_completion)
     state.check_model(req.model)
-    params = completion_params(req, state.context_len)
+    params = completion_params(req, state.context_len,
+                               grammar_spec(req, state.grammar_max_bytes))
     prompts = completion_prompts(req)
     n = req.n or 1
     rid = f"cmpl-{uuid.uuid4().hex}"

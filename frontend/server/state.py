@@ -29,12 +29,14 @@ class EngineClient(Protocol):
 
 
 class ServerState:
-    def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = ()) -> None:
+    def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
+                 grammar_max_bytes: int = 65536) -> None:
         self.client: EngineClient | None = None
         self.metrics = Metrics(self)
         self.max_pending = max_pending
         self.pending = 0  # engine requests admitted and not yet finished
         self.model_aliases = model_aliases
+        self.grammar_max_bytes = grammar_max_bytes  # longest schema/regex/grammar text accepted
         self.created = int(time.time())
         self.failure: str | None = None
 

@@ -23,6 +23,8 @@ class SamplingState:
     prompt_ids: torch.Tensor
     output_ids: list[int] = field(default_factory=list)
     generator: torch.Generator | None = None
+    # Structured output: the request's grammar matcher (workers/structured), None when free.
+    grammar: object | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: torch.Tensor) -> SamplingState:

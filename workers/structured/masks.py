@@ -1,0 +1,67 @@
+"""Grammar masks for one step: which tokens each constrained logits row may take.
+
+A speculating request's rows are its input token's and its drafts': row j is masked with the
+matcher advanced over drafts[:j], so the rejection sampler checks every draft against the
+grammar. Drafts the grammar refuses are cut before the forward (`allowed_drafts`), and the
+matcher is always rolled back to the request's accepted tokens afterwards: it only ever moves
+forward with the tokens the step finally emits (`accept`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger("deepinfer.worker")
+
+
+@dataclass
+class MaskedRows:
+    matcher: object  # an xgrammar GrammarMatcher
+    drafts: list[int]
+    first_row: int  # logits row of the input token; the drafts' rows follow
+
+
+def allowed_drafts(matcher, drafts: list[int], keep_refused: bool) -> list[int]:
+    """The drafts up to the first the grammar refuses. With `keep_refused` that one stays: a
+    draft sampled from a distribution must still meet rejection sampling (which then rejects it
+    for sure and draws from the residual), or the output distribution would not be exact."""
+    n = 0
+    for token in drafts:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            break
+        n += 1
+    if n:
+        matcher.rollback(n)
+    return drafts[: n + 1] if keep_refused and n < len(drafts) else drafts[:n]
+
+
+def fill_bitmask(backend, rows: list[MaskedRows], num_rows: int) -> tuple[torch.Tensor, list[int]]:
+    """The step's bitmask over `num_rows` logits rows and the rows it constrains."""
+    bitmask = backend.allocate(num_rows)
+    masked: list[int] = []
+    for r in rows:
+        m, advanced = r.matcher, 0
+        for j in range(len(r.drafts) + 1):
+            if m.is_terminated():  # its stop token is in: an overlap step past the end
+                break
+            m.fill_next_token_bitmask(bitmask, r.first_row + j)
+            masked.append(r.first_row + j)
+            if j == len(r.drafts) or not m.accept_token(r.drafts[j]):
+                break
+            advanced += 1
+        if advanced:
+            m.rollback(advanced)
+    return bitmask, masked
+
+
+def accept(matcher, tokens: list[int]) -> None:
+    """Advance the matcher over the tokens the step emitted (all allowed by its masks)."""
+    for token in tokens:
+        if matcher.is_terminated():
+            return
+        if not matcher.accept_token(token):
+            log.warning("grammar refused sampled token %d; the output may not match", token)
+            return
