@@ -106,6 +106,9 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None,
     _check(not req.logit_bias, "logit_bias", "logit_bias is not supported")
     n = 1 if req.n is None else req.n
     _check(1 <= n <= MAX_N, "n", f"n must be between 1 and {MAX_N}, got {n}")
+    _check(grammar is None or not req.ignore_eos, "ignore_eos",
+           "ignore_eos cannot be combined with structured output: the grammar decides where the "
+           "output ends")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,

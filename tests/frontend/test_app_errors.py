@@ -51,6 +51,7 @@ BAD = [
     ("chat", {"tools": [{"type": "function", "function": {"name": "f"}}],
               "tool_choice": "required", "guided_regex": "a"}, 400, "tool_choice"),
     ("chat", {"function_call": {"name": "f"}}, 400, "function_call"),
+    ("chat", {"guided_regex": "a+", "ignore_eos": True}, 400, "ignore_eos"),
     ("completions", {"prompt": "x", "response_format": {"type": "json_schema",
                                                         "json_schema": {"schema": 5}}}, 400,
      "response_format.json_schema.schema"),

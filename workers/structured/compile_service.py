@@ -10,7 +10,6 @@ compiled grammar (waiting for it on a rank whose compile is slower than rank 0's
 from __future__ import annotations
 
 import threading
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -30,7 +29,6 @@ class GrammarCompileService:
         self._cache: OrderedDict[tuple[str, str], Future] = OrderedDict()
         self._requests: dict[str, Future] = {}
         self._lock = threading.Lock()
-        self.compile_seconds: dict[tuple[str, str], float] = {}  # per spec, first compile
 
     @property
     def backend(self):
@@ -43,17 +41,11 @@ class GrammarCompileService:
             if future is not None and not (future.done() and future.exception()):
                 self._cache.move_to_end(key)
                 return future
-            future = self._pool.submit(self._compile, spec)
+            future = self._pool.submit(lambda: self.backend.compile(spec))
             self._cache[key] = future
             while len(self._cache) > CACHE_ENTRIES:
                 self._cache.popitem(last=False)
             return future
-
-    def _compile(self, spec: GrammarSpec):
-        t0 = time.perf_counter()
-        compiled = self.backend.compile(spec)
-        self.compile_seconds.setdefault(spec.cache_key(), time.perf_counter() - t0)
-        return compiled
 
     def submit(self, request_id: str, spec: GrammarSpec,
                on_ready: Callable[[str, str | None], None]) -> None:
