@@ -312,3 +312,21 @@ def test_bad_grammars_are_a_400_before_any_token(server, client, kw, message, st
         client.run(go())
     assert message in str(err.value)
     assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_auto_turns_hermes_blocks_into_tool_calls(client, stream):
+    """A regex makes this small model answer with text and a Hermes-style block, the format the
+    tools were described in: the block becomes a tool call, the text stays content."""
+    regex = (r'Let me check\. <tool_call>\{"name": "get_time", "arguments": '
+             r'\{"zone": "(UTC|CET)"\}\}</tool_call>')
+
+    async def go():
+        return await chat(client, ASK, stream, tools=TOOLS, tool_choice="auto", temperature=0,
+                          max_tokens=60, extra_body={"guided_regex": regex})
+
+    content, finish, calls = client.run(go())
+    assert content == "Let me check. "
+    assert finish == "tool_calls"
+    assert [c["name"] for c in calls] == ["get_time"]
+    assert json.loads(calls[0]["arguments"])["zone"] in ("UTC", "CET")
