@@ -49,6 +49,24 @@ def rope_parameters(cfg: dict) -> dict[str, Any]:
     return params
 
 
+def moe_fields(cfg: dict, model_type: str) -> dict[str, Any]:
+    """Mixture-of-experts fields (none for a dense model). Qwen3-MoE may save its expert count
+    as `num_local_experts` (Mixtral's name); Mixtral's experts take `intermediate_size` and its
+    router always renormalizes the top-k weights."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    if not experts:
+        return {}
+    return dict(
+        num_experts=experts,
+        num_experts_per_tok=cfg["num_experts_per_tok"],
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
+        mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
+        shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
+    )
+
+
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What every process needs to know about a checkpoint, with no torch."""
 
@@ -73,6 +91,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     layer_kinds: tuple[str, ...]
     sliding_window: int | None = None
     num_nextn_predict_layers: int = 0  # multi-token-prediction layers (DeepSeek-V3 MTP)
+    # Mixture of experts (Qwen3-MoE, Qwen2-MoE, Mixtral); no experts: every layer dense.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # per expert
+    norm_topk_prob: bool = False  # renormalize the top-k router weights to sum to 1
+    decoder_sparse_step: int = 1  # every n-th layer has experts ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... except these dense ones
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated always-on expert (0: none)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether this layer's MLP is a sparse MoE block (the HF rule) rather than dense."""
+        return (self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
 
     def kv_groups(self) -> list[str]:
         """KV cache groups in a fixed order: full layers first, then sliding layers.
@@ -101,8 +132,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         eos = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         kinds = tuple(layer_kinds(cfg))
-        # Qwen2 has q/k/v biases and no o_proj bias without saying so in its config.
-        qkv_bias = cfg.get("attention_bias", model_type == "qwen2")
+        # Qwen2 has q/k/v biases and no o_proj bias without saying so in its config;
+        # Qwen2-MoE says so as `qkv_bias`.
+        qwen2 = model_type in ("qwen2", "qwen2_moe")
+        qkv_bias = cfg.get("qkv_bias", cfg.get("attention_bias", qwen2))
         return cls(
             architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
             model_type=model_type,
@@ -118,7 +151,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              raw.get("tie_word_embeddings", False))),
             qkv_bias=bool(qkv_bias),
-            o_proj_bias=bool(cfg.get("attention_bias", False)) and model_type != "qwen2",
+            o_proj_bias=bool(cfg.get("attention_bias", False)) and not qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
             rope=rope_parameters(cfg),
@@ -126,6 +159,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             layer_kinds=kinds,
             sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
             num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
+            **moe_fields(cfg, model_type),
         )
 
 

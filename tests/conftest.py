@@ -21,6 +21,19 @@ def default_model_dir() -> Path:
     return prepare(DEFAULT_MODEL_NAME, cache_dir())
 
 
+# arch -> transformers' class prefix (Qwen2: q/k/v biases; Qwen3: qk-norm)
+TINY_ARCHS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
+              "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}
+# 4 experts, top-2, 32 wide (Mixtral's experts take intermediate_size); dense Qwen MoE layers
+# keep the base intermediate_size.
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_DEFAULTS = {
+    "qwen3_moe": _QWEN_MOE,
+    "qwen2_moe": dict(_QWEN_MOE, shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+}
+
+
 def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
     """Save a tiny random HF model with the default model's tokenizer (real chat template)."""
     import torch
@@ -40,22 +53,13 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
         pad_token_id=2,
         rms_norm_eps=1e-5,
     )
+    base.update(MOE_DEFAULTS.get(arch, {}))
     base.update(overrides)
-    if arch == "llama":
-        cfg = transformers.LlamaConfig(**base)
-        cls = transformers.LlamaForCausalLM
-    elif arch == "mistral":
-        cfg = transformers.MistralConfig(**base)
-        cls = transformers.MistralForCausalLM
-    elif arch == "qwen2":  # q/k/v biases
-        cfg = transformers.Qwen2Config(**base)
-        cls = transformers.Qwen2ForCausalLM
-    elif arch == "qwen3":
+    if arch == "qwen3":
         base.setdefault("head_dim", 16)
-        cfg = transformers.Qwen3Config(**base)
-        cls = transformers.Qwen3ForCausalLM
-    else:
-        raise ValueError(arch)
+    prefix = TINY_ARCHS[arch]
+    cfg = getattr(transformers, f"{prefix}Config")(**base)
+    cls = getattr(transformers, f"{prefix}ForCausalLM")
     torch.manual_seed(base.get("seed", 0) if "seed" in base else 0)
     model = cls(cfg).to(torch.float32).eval()
     # Random init is small; widen the logit spread so greedy choices are decisive.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import torch
@@ -11,9 +12,13 @@ from torch import nn
 from engine.model_config import ModelConfig
 from workers.attention import AttentionBackend, select_backend
 from workers.layers.linear import Linear, MergedLinear, resolve_weight_copies
+from workers.layers.moe import FusedExperts
 from workers.models import model_class
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+# One expert's weight, as HF checkpoints store them: (experts module, expert, projection).
+# Fused [E, ...] expert tensors (`experts.gate_up_proj`) load by name like any parameter.
+EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "auto",
@@ -62,6 +67,14 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
+    for old, new in model.checkpoint_renames.items():
+        name = name.replace(old, new)
+    expert = EXPERT_WEIGHT.match(name)
+    if expert and expert[3] in model.expert_params:
+        module = modules[expert[1]]
+        assert isinstance(module, FusedExperts)
+        part = model.expert_params[expert[3]]
+        return f"{expert[1]}.{module.load_expert(int(expert[2]), part, tensor)}"
     for fragment, (fused, part) in model.stacked_params.items():
         if f".{fragment}." in name:
             target = name.replace(f".{fragment}.", f".{fused}.")

@@ -24,6 +24,9 @@ VARIANTS = {
     "mistral-sliding": ("mistral", dict(sliding_window=8)),
     "qwen3-hybrid": ("qwen3", dict(num_hidden_layers=4, sliding_window=8, use_sliding_window=True,
                                    layer_types=["full_attention", "sliding_attention"] * 2)),
+    "qwen3-moe": ("qwen3_moe", dict(mlp_only_layers=[1])),
+    "mixtral": ("mixtral", {}),
+    "qwen2-moe": ("qwen2_moe", {}),
 }
 
 

@@ -28,6 +28,13 @@ CONFIGS = {
         num_hidden_layers=4, sliding_window=6, use_sliding_window=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention",
                      "full_attention"])),
+    # 4 experts, top-2 (tests/conftest.py); layer 1 dense, top-k weights renormalized
+    "qwen3-moe-mlp-only-layer": ("qwen3_moe", dict(mlp_only_layers=[1], norm_topk_prob=True,
+                                                  tie_word_embeddings=False)),
+    "mixtral": ("mixtral", {}),
+    # experts in layers 1 and 3 only, a gated shared expert, top-k weights as routed
+    "qwen2-moe-sparse-step": ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,
+                                                norm_topk_prob=False)),
 }
 
 

@@ -12,6 +12,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "workers.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "workers.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "workers.models.moe:MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
 }
 
 

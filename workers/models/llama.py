@@ -4,9 +4,12 @@ One flattened batch of tokens [T] per step; attention goes through the paged KV 
 attention backend chosen at load. Projections are fused (q|k|v, gate|up) and loaded through
 `STACKED_PARAMS`. Steps made only of decodes run each layer as one native call on CPU
 (kernels/cpu/decode_layer.py) when every layer fits it; these Python layers are its reference.
+Each layer's MLP comes from `build_mlp`: dense here, a mixture of experts in workers/models/moe.py.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -67,9 +70,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        hidden, inter = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=cfg.mlp_bias)
         self.down_proj = Linear(inter, hidden, bias=cfg.mlp_bias)
         self._native = False  # set by finalize()
@@ -84,14 +87,22 @@ class MLP(nn.Module):
         return self.down_proj(cpu_fused.silu_and_mul_ref(gate_up))
 
 
+# (config, layer index) -> that layer's MLP: dense, or a mixture of experts (workers/models/moe.py)
+MLPFactory = Callable[[ModelConfig, int], nn.Module]
+
+
+def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    return MLP(cfg)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, group: int,
-                 backend: AttentionBackend) -> None:
+                 backend: AttentionBackend, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, rotary, group, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = mlp
 
     def forward(self, x, residual, positions, kv, metas):
         """x: the previous layer's output, residual: the stream before it (None at layer 0).
@@ -107,8 +118,10 @@ class DecoderLayer(nn.Module):
 
     def decode_weights(self) -> DecodeLayerWeights | None:
         """This layer as the one-call decode op reads it, or None when it does not fit the op
-        (qk-norm, biases outside q/k/v, no native norm or attention, ...)."""
+        (qk-norm, biases outside q/k/v, no native norm or attention, experts, ...)."""
         attn, mlp = self.self_attn, self.mlp
+        if not isinstance(mlp, MLP):
+            return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
         linears = [lin.weights() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                              mlp.down_proj)]
@@ -125,13 +138,14 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
+    def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
+                 mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, cfg.layer_group(i), backend)
+            DecoderLayer(cfg, rotary, cfg.layer_group(i), backend, mlp(cfg, i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
@@ -176,11 +190,14 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     stacked_params = STACKED_PARAMS
+    checkpoint_renames: dict[str, str] = {}  # name fragment -> ours, applied first
+    expert_params: dict[str, str] = {}  # per-expert checkpoint weight -> FusedExperts part
+    build_mlp: MLPFactory = staticmethod(dense_mlp)
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend)
+        self.model = LlamaModel(cfg, backend, self.build_mlp)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 

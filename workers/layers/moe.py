@@ -1,0 +1,98 @@
+"""Mixture-of-experts building blocks: top-k routing, and all experts of a layer run fused.
+
+The experts' weights are stacked, [E, 2I, H] (gate | up) and [E, H, I] (down), the layout HF
+transformers keeps in memory. A step's (token, expert) pairs are sorted by expert so each
+active expert runs one GEMM over its contiguous rows, whatever mix of prefill chunks and
+decodes the step holds; the weighted results are summed back per token with one index_add_.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.cpu import fused as cpu_fused
+from kernels.cpu import linear as cpu_linear
+from workers.layers.linear import SMALL_M
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] in the logits' dtype, expert ids [T, k]): softmax
+    over all experts in float32, the top k, optionally rescaled to sum to 1 (Mixtral always,
+    Qwen MoE when `norm_topk_prob`)."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, native: bool
+            ) -> torch.Tensor:
+    """One expert's SwiGLU MLP over its rows; the weight-streaming kernel for decode-sized
+    row counts, a GEMM above."""
+    if native and x.shape[0] <= SMALL_M:
+        return cpu_linear.linear_small_m(
+            cpu_fused.silu_and_mul(cpu_linear.linear_small_m(x, gate_up)), down)
+    h = F.linear(x, gate_up)
+    h = cpu_fused.silu_and_mul(h) if native else cpu_fused.silu_and_mul_ref(h)
+    return F.linear(h, down)
+
+
+def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor, native: bool = False
+                  ) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H],
+    down [E, H, I], weights / ids [T, k]. `native`: the CPU float32 kernels take the weights."""
+    k = ids.shape[1]
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
+    tokens = order // k
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    xs = x.index_select(0, tokens)
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start:start + n] = _expert(xs[start:start + n], gate_up[e], down[e], native)
+            start += n
+    ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
+    return torch.zeros_like(x).index_add_(0, tokens, ys)
+
+
+class FusedExperts(nn.Module):
+    """A layer's experts; checkpoints fill them whole (HF's fused 3D tensors, by name) or one
+    expert's projection at a time (`load_expert`)."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
+                                      requires_grad=False)
+        self._native = False  # set by finalize()
+
+    def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
+        """Copy one expert's "gate", "up" or "down" weight in; returns the parameter's name."""
+        i = self.intermediate
+        name = "down_proj" if part == "down" else "gate_up_proj"
+        target = getattr(self, name).data[expert]
+        if part != "down":
+            target = target[{"gate": slice(0, i), "up": slice(i, 2 * i)}[part]]
+        if target.shape != tensor.shape:
+            raise ValueError(f"expert {expert} {part}: checkpoint shape {tuple(tensor.shape)} "
+                             f"!= {tuple(target.shape)}")
+        target.copy_(tensor)
+        return name
+
+    def finalize(self) -> None:
+        w = self.gate_up_proj.data
+        self._native = cpu_linear.available(w) and cpu_fused.available(w)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+                ) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj.data, self.down_proj.data, weights, ids,
+                             self._native)

@@ -1,0 +1,51 @@
+"""Mixture-of-experts Llama-family decoders: Qwen3-MoE, Qwen2-MoE (with a shared expert), Mixtral.
+
+The attention and decoder layers are Llama's; a layer's MLP is a sparse MoE block where the
+config says so (`ModelConfig.is_moe_layer`), dense elsewhere. MoE layers do not fit the
+one-call native decode layer, so these models run the Python layers (with the native ops that
+apply) on every step.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.model_config import ModelConfig
+from workers.layers.linear import Linear
+from workers.layers.moe import FusedExperts, route
+from workers.models.llama import MLP, LlamaForCausalLM
+
+# per-expert checkpoint names (Qwen: gate/up/down_proj, Mixtral: w1/w3/w2) -> FusedExperts part
+EXPERT_PARAMS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",
+                 "w1": "gate", "w3": "up", "w2": "down"}
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.renormalize = cfg.norm_topk_prob
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts)  # the router
+        self.experts = FusedExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_expert: MLP | None = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = route(self.gate(x), self.top_k, self.renormalize)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out += torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+def moe_or_dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
+    return SparseMoeBlock(cfg) if cfg.is_moe_layer(layer) else MLP(cfg)
+
+
+class MoeForCausalLM(LlamaForCausalLM):
+    checkpoint_renames = {".block_sparse_moe.": ".mlp."}  # Mixtral's name for the MoE block
+    expert_params = EXPERT_PARAMS
+    build_mlp = staticmethod(moe_or_dense_mlp)
