@@ -54,6 +54,12 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
         base.setdefault("head_dim", 16)
         cfg = transformers.Qwen3Config(**base)
         cls = transformers.Qwen3ForCausalLM
+    elif arch == "gemma3":  # sandwich norms, GeGLU, scaled embeddings, per-kind RoPE
+        base.setdefault("head_dim", 16)
+        base.setdefault("query_pre_attn_scalar", 24)
+        base.setdefault("rms_norm_eps", 1e-6)
+        cfg = transformers.Gemma3TextConfig(**base)
+        cls = transformers.Gemma3ForCausalLM
     else:
         raise ValueError(arch)
     torch.manual_seed(base.get("seed", 0) if "seed" in base else 0)

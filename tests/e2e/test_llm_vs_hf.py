@@ -24,6 +24,7 @@ VARIANTS = {
     "mistral-sliding": ("mistral", dict(sliding_window=8)),
     "qwen3-hybrid": ("qwen3", dict(num_hidden_layers=4, sliding_window=8, use_sliding_window=True,
                                    layer_types=["full_attention", "sliding_attention"] * 2)),
+    "gemma3": ("gemma3", dict(num_hidden_layers=6, sliding_window=8, num_key_value_heads=1)),
 }
 
 

@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "MistralForCausalLM": "workers.models.llama:LlamaForCausalLM",
     "Qwen2ForCausalLM": "workers.models.llama:LlamaForCausalLM",
     "Qwen3ForCausalLM": "workers.models.llama:LlamaForCausalLM",
+    "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
 }
 
 
