@@ -38,12 +38,22 @@ def layer_kinds(cfg: dict) -> list[str]:
     return [FULL] * n
 
 
-def rope_parameters(cfg: dict) -> dict[str, Any]:
-    """Normalize old (rope_theta + rope_scaling) and new (rope_parameters) config styles."""
+def rope_parameters(cfg: dict, kind: str = FULL) -> dict[str, Any]:
+    """RoPE of one layer kind, normalized from old (rope_theta + rope_scaling) and new
+    (rope_parameters) config styles. Gemma 3 has one set per kind: transformers 5 nests them
+    under the layer type; older configs give sliding layers `rope_local_base_freq` (and no
+    scaling)."""
     params = dict(cfg.get("rope_parameters") or {})
-    scaling = cfg.get("rope_scaling") or {}
-    for key, value in scaling.items():
-        params.setdefault(key, value)
+    if f"{kind}_attention" in params:
+        params = dict(params[f"{kind}_attention"] or {})
+    elif kind == SLIDING and "rope_local_base_freq" in cfg:
+        params = {"rope_theta": cfg["rope_local_base_freq"], "rope_type": "default"}
+    else:
+        params.pop("full_attention", None)
+        params.pop("sliding_attention", None)
+        scaling = cfg.get("rope_scaling") or {}
+        for key, value in scaling.items():
+            params.setdefault(key, value)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
@@ -65,6 +75,7 @@ def moe_fields(cfg: dict, model_type: str) -> dict[str, Any]:
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
     )
+GEMMA3 = ("gemma3", "gemma3_text")
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +115,14 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         """Whether this layer's MLP is a sparse MoE block (the HF rule) rather than dense."""
         return (self.num_experts > 0 and layer not in self.mlp_only_layers
                 and (layer + 1) % self.decoder_sparse_step == 0)
+    # RoPE of sliding-window layers when it differs from `rope` (Gemma 3), else None.
+    rope_sliding: dict[str, Any] | None = None
+    hidden_act: str = "silu"  # the gated MLP's activation: silu or gelu_pytorch_tanh
+    # Attention scores are scaled by query_pre_attn_scalar ** -0.5 (Gemma) or head_dim ** -0.5.
+    query_pre_attn_scalar: float | None = None
+    embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(hidden))
+    norm_offset: float = 0.0  # RMSNorm scales by (offset + weight) (Gemma: 1)
+    final_logit_softcapping: float | None = None
 
     def kv_groups(self) -> list[str]:
         """KV cache groups in a fixed order: full layers first, then sliding layers.
@@ -136,6 +155,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         # Qwen2-MoE says so as `qkv_bias`.
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         qkv_bias = cfg.get("qkv_bias", cfg.get("attention_bias", qwen2))
+        gemma = model_type in GEMMA3
+        if cfg.get("attn_logit_softcapping"):
+            raise ModelConfigError("attention logit soft-capping is not supported")
+        sliding_rope = rope_parameters(cfg, SLIDING) if SLIDING in kinds else None
+        full_rope = rope_parameters(cfg, FULL)
         return cls(
             architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
             model_type=model_type,
@@ -153,13 +177,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             qkv_bias=bool(qkv_bias),
             o_proj_bias=bool(cfg.get("attention_bias", False)) and not qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            rope=rope_parameters(cfg),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or gemma,
+            rope=full_rope,
             eos_token_ids=eos_ids,
             layer_kinds=kinds,
             sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
             num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
             **moe_fields(cfg, model_type),
+            rope_sliding=sliding_rope if sliding_rope != full_rope else None,
+            hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
+            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
+            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
+            norm_offset=1.0 if gemma else 0.0,
+            final_logit_softcapping=cfg.get("final_logit_softcapping"),
         )
 
 

@@ -22,8 +22,11 @@ def default_model_dir() -> Path:
 
 
 # arch -> transformers' class prefix (Qwen2: q/k/v biases; Qwen3: qk-norm)
-TINY_ARCHS = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3",
-              "qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "mixtral": "Mixtral"}
+# arch -> (transformers config class, model class) name prefixes
+TINY_ARCHS = {"llama": ("Llama", "Llama"), "mistral": ("Mistral", "Mistral"),
+              "qwen2": ("Qwen2", "Qwen2"), "qwen3": ("Qwen3", "Qwen3"),
+              "qwen3_moe": ("Qwen3Moe", "Qwen3Moe"), "qwen2_moe": ("Qwen2Moe", "Qwen2Moe"),
+              "mixtral": ("Mixtral", "Mixtral"), "gemma3": ("Gemma3Text", "Gemma3")}
 # 4 experts, top-2, 32 wide (Mixtral's experts take intermediate_size); dense Qwen MoE layers
 # keep the base intermediate_size.
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -55,11 +58,14 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
     )
     base.update(MOE_DEFAULTS.get(arch, {}))
     base.update(overrides)
-    if arch == "qwen3":
+    if arch in ("qwen3", "gemma3"):
         base.setdefault("head_dim", 16)
-    prefix = TINY_ARCHS[arch]
-    cfg = getattr(transformers, f"{prefix}Config")(**base)
-    cls = getattr(transformers, f"{prefix}ForCausalLM")
+    if arch == "gemma3":  # sandwich norms, GeGLU, scaled embeddings, per-kind RoPE
+        base.setdefault("query_pre_attn_scalar", 24)
+        base.setdefault("rms_norm_eps", 1e-6)
+    config_prefix, model_prefix = TINY_ARCHS[arch]
+    cfg = getattr(transformers, f"{config_prefix}Config")(**base)
+    cls = getattr(transformers, f"{model_prefix}ForCausalLM")
     torch.manual_seed(base.get("seed", 0) if "seed" in base else 0)
     model = cls(cfg).to(torch.float32).eval()
     # Random init is small; widen the logit spread so greedy choices are decisive.

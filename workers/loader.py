@@ -31,6 +31,9 @@ def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "aut
     with torch.device("cpu"):
         model = cls(cfg, attention or select_backend("cpu", torch_dtype))
     load_weights(model, model_dir)
+    for module in model.modules():  # checkpoint conventions folded in, in float32
+        if hasattr(module, "after_load"):
+            module.after_load()
     model.to(torch_dtype)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     copies = resolve_weight_copies(weight_copies, sum(

@@ -34,7 +34,8 @@ def convert_gguf(gguf_path: Path, out: Path, progress: bool = True) -> None:
     # The tokenizer first: an unsupported one fails before minutes of dequantizing.
     write_tokenizer(meta, out)
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
-    bar = tqdm(hf_tensors(reader, heads, kv_heads), total=tensor_count(reader),
+    bar = tqdm(hf_tensors(reader, meta["general.architecture"], heads, kv_heads),
+               total=tensor_count(reader),
                desc=f"dequantizing {gguf_path.name}", unit="tensor", file=sys.stderr,
                disable=not progress)
     tensors = dict(bar)

@@ -1,7 +1,7 @@
 """config.json and generation_config.json for a GGUF model, as transformers writes them.
 
-Only the Llama architecture is mapped so far; another one is another entry in `_ARCHITECTURES`
-(and its tensor names in gguf_weights.py).
+Llama and Gemma 3 are mapped; another architecture is another entry in `_ARCHITECTURES` (and its
+tensor layout in gguf_weights.py).
 """
 
 from __future__ import annotations
@@ -11,7 +11,12 @@ from typing import Any
 from engine.model_store.errors import ModelPrepareError
 
 # GGUF general.architecture -> (HF architectures entry, HF model_type)
-_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama")}
+_ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),
+                  "gemma3": ("Gemma3ForCausalLM", "gemma3_text")}
+# What a Gemma 3 GGUF leaves out, as llama.cpp assumes it: every sixth layer attends to the
+# whole context (the others to a sliding window) and sliding layers use RoPE base 10000.
+GEMMA3_FULL_EVERY = 6
+GEMMA3_LOCAL_ROPE_THETA = 10000.0
 
 
 def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]:
@@ -27,7 +32,7 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
     heads = meta[f"{arch}.attention.head_count"]
     theta = float(meta.get(f"{arch}.rope.freq_base", 10000.0))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    return {
+    config = {
         "architectures": [hf_arch],
         "attention_bias": "blk.0.attn_q.bias" in tensor_names,
         "attention_dropout": 0.0,
@@ -52,6 +57,28 @@ def model_config(meta: dict[str, Any], tensor_names: set[str]) -> dict[str, Any]
         "tie_word_embeddings": "output.weight" not in tensor_names,
         "use_cache": True,
         "vocab_size": vocab,
+    }
+    if arch == "gemma3":
+        config.update(_gemma3(meta, config))
+    return config
+
+
+def _gemma3(meta: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    layers, theta = config["num_hidden_layers"], config["rope_theta"]
+    local = {"rope_theta": GEMMA3_LOCAL_ROPE_THETA, "rope_type": "default"}
+    return {
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "layer_types": ["full_attention" if (i + 1) % GEMMA3_FULL_EVERY == 0
+                        else "sliding_attention" for i in range(layers)],
+        "sliding_window": meta["gemma3.attention.sliding_window"],
+        # Scores scaled by head_dim ** -0.5, as llama.cpp does for every size but 27B.
+        "query_pre_attn_scalar": config["head_dim"],
+        "rope_local_base_freq": GEMMA3_LOCAL_ROPE_THETA,
+        "rope_parameters": {"full_attention": {"rope_theta": theta, "rope_type": "default"},
+                            "sliding_attention": local},
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
     }
 
 

@@ -1,10 +1,13 @@
 """tokenizer.json, tokenizer_config.json and chat_template.jinja from a GGUF's tokenizer.ggml.*.
 
-Built with the `tokenizers` library alone. Only GPT-2 style byte-level BPE (`tokenizer.ggml.model`
-"gpt2": SmolLM2, Llama 3, Qwen) is built so far, the way transformers' GGUF loader builds it:
-BPE from the tokens and merges, byte-level pre-tokenizer (GPT-2 regex, no prefix space) and
-decoder, control tokens (type 3) as special added tokens, user-defined ones (type 4) as added
-tokens. A sentencepiece vocabulary (Gemma) needs its own builder here.
+Built with the `tokenizers` library alone, the way transformers' GGUF loader builds them:
+- GPT-2 style byte-level BPE (`tokenizer.ggml.model` "gpt2": SmolLM2, Llama 3, Qwen): BPE from
+  the tokens and merges, byte-level pre-tokenizer (GPT-2 regex, no prefix space) and decoder;
+- Gemma's sentencepiece BPE (`tokenizer.ggml.model` "llama" in a gemma3 file): spaces become
+  "▁" before BPE, unknown bytes fall back to <0xNN> tokens, and the merges, which the file does
+  not list, are rebuilt from the vocabulary (see `_vocabulary_merges`).
+Either way, control tokens (type 3) become special added tokens and user-defined ones (type 4)
+added tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +17,15 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import (
+    AddedToken,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+)
 
 from engine.model_store.errors import ModelPrepareError
 
@@ -51,6 +62,8 @@ def _spell(token: str) -> str:
 def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     kind = meta.get("tokenizer.ggml.model")
     pre = meta.get("tokenizer.ggml.pre", "default")
+    if kind == "llama" and meta.get("general.architecture") == "gemma3":
+        return _gemma_tokenizer(meta)
     if kind != "gpt2" or pre not in _GPT2_SPLIT:
         raise ModelPrepareError(
             f"GGUF tokenizer {kind!r} (pre-tokenizer {pre!r}) cannot be converted yet")
@@ -73,6 +86,44 @@ def build_tokenizer(meta: dict[str, Any]) -> Tokenizer:
     tok.add_tokens([AddedToken(t, normalized=False, special=False)
                     for t, k in zip(tokens, types) if k == _USER_DEFINED])
     return tok
+
+
+_SPACE = "\u2581"  # sentencepiece's visible space
+
+
+def _gemma_tokenizer(meta: dict[str, Any]) -> Tokenizer:
+    # Tokens made only of spaces are stored with real spaces; the model looks them up as "▁"s.
+    tokens = [_SPACE * len(t) if " " in t and not t.strip() else t
+              for t in meta["tokenizer.ggml.tokens"]]
+    types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    unk = meta.get("tokenizer.ggml.unknown_token_id")
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=_vocabulary_merges(tokens, vocab),
+                               dropout=None, unk_token=tokens[unk] if unk is not None else None,
+                               fuse_unk=True, byte_fallback=True))
+    tok.normalizer = normalizers.Replace(" ", _SPACE)
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence([decoders.Replace(_SPACE, " "), decoders.ByteFallback(),
+                                     decoders.Fuse()])
+    tok.post_processor = _post_processor(meta, tokens)
+    original = meta["tokenizer.ggml.tokens"]
+    tok.add_special_tokens([AddedToken(t, normalized=False, special=True)
+                            for t, k in zip(tokens, types) if k == _CONTROL])
+    # A respelled (all-space) user-defined token is an ordinary vocabulary entry now.
+    tok.add_tokens([AddedToken(t, normalized=False, special=False)
+                    for t, o, k in zip(tokens, original, types) if k == _USER_DEFINED and t == o])
+    return tok
+
+
+def _vocabulary_merges(tokens: list[str], vocab: dict[str, int]) -> list[tuple[str, str]]:
+    """BPE merges implied by a vocabulary: every split of a token into two tokens is a merge.
+    Gemma's file order is its merge order (its scores are not): a token listed earlier merges
+    first, and among one token's splits the longer left piece goes first."""
+    merges = []
+    for token in tokens:
+        splits = [(token[:i], token[i:]) for i in range(len(token) - 1, 0, -1)]
+        merges += [(a, b) for a, b in splits if a in vocab and b in vocab]
+    return merges
 
 
 def _post_processor(meta: dict[str, Any], tokens: list[str]) -> processors.TemplateProcessing:

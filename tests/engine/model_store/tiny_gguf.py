@@ -18,6 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from engine.config import DEFAULT_MODEL_NAME
 from engine.model_store import RECIPES, Recipe
 from engine.model_store.gguf_tokenizer import _bytes_to_unicode
+from engine.model_store.recipes import wheel_prefix
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 96, 2
 HEAD_DIM = HIDDEN // HEADS
@@ -155,7 +156,7 @@ def use_tiny_default_model(cache: Path, monkeypatch: pytest.MonkeyPatch) -> Path
     """DEEPINFER_CACHE=cache, with 'default' being the tiny model and its wheel already there:
     preparing it needs no network and takes a fraction of a second."""
     (cache / "downloads").mkdir(parents=True)
-    wheel = cache / "downloads" / f"{TINY_RECIPE.wheel_prefix}py3-none-any.whl"
+    wheel = cache / "downloads" / f"{wheel_prefix(TINY_RECIPE.requirement)}py3-none-any.whl"
     write_tiny_wheel(wheel, TINY_RECIPE.member)
     monkeypatch.setenv("DEEPINFER_CACHE", str(cache))
     monkeypatch.setitem(RECIPES, "default", TINY_RECIPE)
