@@ -125,12 +125,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                         model.max_position_embeddings)
         return min(model_len, self.kv_blocks() * self.block_size)
 
+    def sliding_layers(self) -> int:
+        model = self.model_config()
+        return model.layer_kinds.count(SLIDING)
+
     def swa_replay_tokens(self) -> int | None:
         model = self.model_config()
         if model.sliding_window is None:
             return None
         if self.swa_replay == "exact":
-            return model.layers_in_group(model.kv_groups().index(SLIDING)) * model.sliding_window
+            return self.sliding_layers() * model.sliding_window
         if self.swa_replay != "window":
             raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
         return model.sliding_window

@@ -20,7 +20,8 @@ class Request:
         "request_id", "prompt_ids", "output_ids", "params", "num_computed", "tables",
         "status", "finish_reason", "arrival", "hit_tokens", "cached_tokens", "max_len",
         "sent_to_workers", "num_pending", "cache_node", "window_from", "full_kv_from",
-        "replayed_tokens", "spec_in_flight", "spec_misses", "spec_backoff",
+        "replayed_tokens", "spec_in_flight", "spec_misses", "spec_backoff", "window_exact",
+        "snapshot_hit",
     )
 
     def __init__(
@@ -37,6 +38,10 @@ class Request:
         self.window_from = 0  # sliding-layer keys below this were never computed (replay)
         self.full_kv_from = 0  # full layers already hold K/V below this (prefix hit)
         self.replayed_tokens = 0  # recomputed for sliding windows after the last hit
+        # Its sliding-window K/V is what a cold run computes (False after an approximate,
+        # window-mode replay): only then may it leave snapshots for others.
+        self.window_exact = True
+        self.snapshot_hit = False  # its last admission resumed from a sliding-window snapshot
         self.status = Status.WAITING
         self.finish_reason: FinishReason | None = None
         self.arrival = arrival

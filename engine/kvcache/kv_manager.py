@@ -6,10 +6,17 @@ by the window W, not by the sequence length. Each group has its own allocator an
 one block table per group (a freed sliding block leaves -1 in its table).
 
 Prefix cache (radix tree over the full group): a hit at H reuses blocks [0, H) of the full
-layers. Sliding layers have no cached KV, so the hit replays tokens [R, H), R = H - W rounded
-down to a block, through the model (full layers attend but do not write there) to rebuild the
-window: a hit costs at most W + block_size - 1 tokens of prefill, whatever H is. The numerical
-contract is in the README ("Prefix caching and sliding windows").
+layers. Sliding layers need their window too:
+- Snapshots: where a request's prompt ends and where it finishes (block-aligned), the sliding
+  blocks a query there can still see are kept with the tree node for that position. A hit at a
+  snapshot P = H reuses them: no replay, and the K/V is the one a cold run computed. A hit past
+  the nearest snapshot P replays [P, H) from it (exact), when that costs no more than the mode's
+  replay budget.
+- Otherwise the hit replays tokens [R, H), R = H - replay budget rounded down to a block, through
+  the model (full layers attend but do not write there) to rebuild the window: W tokens by
+  default (bounded, approximate), sliding layers x W with --swa-replay exact.
+Only requests whose windows are exact (cold, or hit exactly) leave snapshots behind. The
+numerical contract is in the README ("Prefix caching and sliding windows").
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import time
 
 from engine.kvcache.block_allocator import BlockAllocator
 from engine.kvcache.host_tier import HostTier
-from engine.kvcache.radix_cache import RadixCache
+from engine.kvcache.radix_cache import RadixCache, Snapshot
 from engine.model_config import FULL, SLIDING
 from engine.request import Request
 
@@ -27,21 +34,30 @@ class KVManager:
     def __init__(
         self, num_blocks: int, block_size: int, groups: list[str], window: int | None,
         prefix_caching: bool = True, replay_tokens: int | None = None,
-        host_blocks: int = 0,
+        host_blocks: int = 0, sliding_layers: int = 1,
     ) -> None:
         self.block_size = block_size
         # Tokens a hit recomputes for sliding layers: W (bounded, approximate) by default;
         # sliding_layers * W makes the rebuilt windows exact (see README).
         self.replay_tokens = replay_tokens if replay_tokens is not None else (window or 0)
+        # What a replay must cover to be exact, whatever the mode: each sliding layer's window
+        # depends on the previous layer's window before it.
+        self.exact_replay = sliding_layers * (window or 0)
         self.groups = groups
         self.window = window
         self.allocators = [BlockAllocator(num_blocks, block_size) for _ in groups]
         self.full = groups.index(FULL) if FULL in groups else None
         self.sliding = groups.index(SLIDING) if SLIDING in groups else None
+        self._sliding_allocator = (self.allocators[self.sliding] if self.sliding is not None
+                                   else None)
         # Without full-attention layers nothing exact can be reused: no prefix cache.
-        self.cache = (RadixCache(self.allocators[self.full], block_size)
+        self.cache = (RadixCache(self.allocators[self.full], block_size,
+                                 snapshot_allocator=self._sliding_allocator)
                       if prefix_caching and self.full is not None else None)
+        # Sliding-window snapshots need the window's blocks at a block-aligned position.
+        self.snapshots = self.cache is not None and self.sliding is not None and bool(window)
         self.replayed_tokens = 0
+        self.snapshot_hits = 0  # hits that resumed the sliding layers from a snapshot
         self._evictable, self._evictable_at = 0, float("-inf")
         self.host = (HostTier(host_blocks, block_size)
                      if host_blocks and self.cache is not None else None)
@@ -68,7 +84,10 @@ class KVManager:
             return self.num_free()
         now = time.monotonic()
         if now - self._evictable_at > max_age:
-            self._evictable, self._evictable_at = self.cache.evictable_blocks(), now
+            evictable = self.cache.evictable_blocks()
+            if self.snapshots:
+                evictable += self.cache.evictable_snapshot_blocks()
+            self._evictable, self._evictable_at = evictable, now
         return self.num_free() + self._evictable
 
     def num_total(self) -> int:
@@ -78,6 +97,8 @@ class KVManager:
         free = self.allocators[g].num_free
         if g == self.full and self.cache is not None and free < self.num_blocks:
             free += self.cache.evictable_blocks()
+        elif g == self.sliding and self.snapshots and free < self.num_blocks:
+            free += self.cache.evictable_snapshot_blocks()
         return free
 
     def needs(self, req: Request, upto: int) -> list[int]:
@@ -96,6 +117,8 @@ class KVManager:
             short = n - self.allocators[g].num_free
             if short > 0 and g == self.full and self.cache is not None:
                 self.cache.evict(short)
+            elif short > 0 and g == self.sliding and self.snapshots:
+                self.cache.evict_snapshots(short)
             req.tables[g] += self.allocators[g].allocate(n)
 
     def drop_outside_window(self, req: Request, next_pos: int) -> None:
@@ -146,16 +169,39 @@ class KVManager:
             hit += self._swap_in(req, tokens, hit)
         req.hit_tokens = hit
         start = hit
+        req.window_exact, req.snapshot_hit = True, False
         if self.sliding is not None and hit:
             # SWA bounded replay: recompute [R, H) so sliding layers have their window.
             replay_from = max(0, hit - self.replay_tokens) // self.block_size * self.block_size
-            req.tables[self.sliding] = [-1] * (replay_from // self.block_size)
-            req.window_from = replay_from
+            snapshot = self._nearest_snapshot(match, hit, replay_from)
+            if snapshot is not None:
+                replay_from, snap = snapshot
+                self.snapshot_hits += 1
+                req.snapshot_hit = True
+                for b in snap.blocks:
+                    self._sliding_allocator.share(b)
+                req.tables[self.sliding] = [-1] * snap.first + list(snap.blocks)
+                req.window_from = snap.first * self.block_size
+            else:
+                req.tables[self.sliding] = [-1] * (replay_from // self.block_size)
+                req.window_from = replay_from
+                # Exact only when the replay reaches back past every sliding layer's window.
+                req.window_exact = replay_from == 0 or hit - replay_from >= self.exact_replay
             self.replayed_tokens += hit - replay_from
             req.replayed_tokens = hit - replay_from
             start = replay_from
         req.full_kv_from = hit
         req.num_computed = start
+
+    def _nearest_snapshot(self, match, hit: int, replay_from: int):
+        """(position, snapshot) to resume the sliding layers from: the deepest on the matched
+        path at or after `replay_from` (a replay from it costs no more than the budget)."""
+        if not self.snapshots or match.num_tokens != hit:  # host-tier blocks carry none
+            return None
+        for pos, snap in RadixCache.snapshots_on_path(match, self.block_size):
+            if pos >= replay_from:
+                return pos, snap
+        return None
 
     def _swap_in(self, req: Request, tokens, hit: int) -> int:
         """Continue a radix hit from the host tier; returns the extra cached tokens."""
@@ -186,13 +232,40 @@ class KVManager:
             self.cache.hits_tokens -= req.hit_tokens  # it will be looked up again
             self.cache.queries_tokens -= req.num_tokens
             self.replayed_tokens -= req.replayed_tokens
+            self.snapshot_hits -= req.snapshot_hit
         self.release(req)
         req.num_computed = req.hit_tokens = req.full_kv_from = req.window_from = 0
         req.replayed_tokens = 0
 
     def cache_request(self, req: Request) -> None:
-        """Offer the request's computed full blocks to the prefix cache."""
+        """Offer the request's computed full blocks to the prefix cache, with a snapshot of
+        its sliding window where they end."""
         if self.cache is None or not req.tables[self.full]:
             return
         computed = min(req.num_computed, req.num_tokens)
-        self.cache.insert(req.tokens(0, computed), req.tables[self.full])
+        tokens = req.tokens(0, computed)
+        self.cache.insert(tokens, req.tables[self.full])
+        self._snapshot(req, tokens, computed // self.block_size * self.block_size)
+
+    def cache_prompt(self, req: Request) -> None:
+        """Called when a step computes the end of the request's prompt: cache its full blocks
+        and the sliding window at the last block boundary before the prompt's last token, the
+        longest hit the same prompt can make. (They are written in this step, before any later
+        step can read them.)"""
+        if not self.snapshots:
+            return
+        end = (req.num_prompt - 1) // self.block_size * self.block_size
+        tokens = req.prompt_ids[:end]
+        self.cache.insert(tokens, req.tables[self.full])
+        self._snapshot(req, tokens, end)
+
+    def _snapshot(self, req: Request, tokens, pos: int) -> None:
+        """Keep the request's sliding blocks that a query at `pos` sees, when it still has
+        them all and they hold the exact window."""
+        if not self.snapshots or pos <= 0 or not req.window_exact:
+            return
+        table = req.tables[self.sliding]
+        first = max(0, pos - self.window + 1) // self.block_size
+        blocks = table[first: pos // self.block_size]
+        if len(blocks) == pos // self.block_size - first and all(b >= 0 for b in blocks):
+            self.cache.add_snapshot(tokens, pos, Snapshot(first, blocks))

@@ -5,12 +5,19 @@ that reuses a prefix calls match() then lock() at once: lock takes the request's
 each matched block (freed with allocator.free like its other blocks) and pins the path; unlock()
 unpins it. Eviction removes least-recently-used unlocked leaves whose blocks only the tree holds,
 tail block first, so whatever stays is still a valid prefix.
+
+A node may also hold a sliding-window snapshot for the position where it ends: the blocks of the
+sliding-window layers (another allocator's) that a query at that position can still see. A hit
+there needs no replay for those layers. A snapshot lives and dies with its position: when the
+node's tail block is evicted the snapshot goes too, and under pressure on the sliding blocks the
+least recently used snapshots are dropped on their own (`evict_snapshots`).
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -24,10 +31,18 @@ Tokens = np.ndarray | Sequence[int]
 EvictCallback = Callable[[BlockKey, int], None]
 
 
+@dataclass
+class Snapshot:
+    """Sliding-window blocks at a node's end: table index `first` onwards, in order."""
+
+    first: int
+    blocks: list[int]
+
+
 class RadixNode:
     """A run of full blocks; children are keyed by the token ids of their first block."""
 
-    __slots__ = ("keys", "blocks", "children", "parent", "last_access", "lock")
+    __slots__ = ("keys", "blocks", "children", "parent", "last_access", "lock", "snapshot")
 
     def __init__(
         self, keys: list[BlockKey], blocks: list[int], parent: RadixNode | None, last_access: int,
@@ -38,6 +53,7 @@ class RadixNode:
         self.parent = parent
         self.last_access = last_access  # logical clock, not wall time
         self.lock = 0  # live requests whose matched path runs through this node
+        self.snapshot: Snapshot | None = None  # sliding-window KV at this node's end
 
 
 @dataclass(frozen=True)
@@ -51,10 +67,12 @@ class PrefixMatch:
 class RadixCache:
     def __init__(
         self, allocator: BlockAllocator, block_size: int, on_evict: EvictCallback | None = None,
+        snapshot_allocator: BlockAllocator | None = None,
     ) -> None:
         if block_size != allocator.block_size:
             raise ValueError("the cache and the allocator must use the same block size")
         self.allocator = allocator
+        self.snapshot_allocator = snapshot_allocator  # the sliding layers' blocks, if any
         self.block_size = block_size
         self.on_evict = on_evict  # hook for a host-memory tier
         self._root = RadixNode([], [], None, 0)
@@ -63,6 +81,7 @@ class RadixCache:
         self.hits_tokens = 0
         self.queries_tokens = 0
         self.evictions = 0  # blocks evicted (reset() not counted)
+        self.num_snapshots = 0
 
     # ------------------------------------------------------------------ lookup
 
@@ -117,6 +136,63 @@ class RadixCache:
         node.children[keys[i]] = RadixNode(keys[i:], new, node, self._clock)
         self.num_cached_blocks += len(new)
         return len(new) * self.block_size
+
+    # ------------------------------------------------------------------ snapshots
+
+    def add_snapshot(self, tokens: Tokens, num_tokens: int, snapshot: Snapshot) -> bool:
+        """Keep `snapshot` (the tree takes its own reference on each block) at the position
+        `num_tokens`, whose full blocks must be cached. False if one is there already."""
+        keys = self._keys(tokens, num_tokens)
+        node, i, _ = self._walk(keys)
+        if i != len(keys) or node is self._root or node.snapshot is not None:
+            return False
+        for b in snapshot.blocks:
+            self.snapshot_allocator.share(b)
+        node.snapshot = Snapshot(snapshot.first, list(snapshot.blocks))
+        self.num_snapshots += 1
+        return True
+
+    @staticmethod
+    def snapshots_on_path(match: PrefixMatch, block_size: int
+                          ) -> list[tuple[int, Snapshot]]:
+        """(position, snapshot) on the matched path, deepest first."""
+        out, pos = [], match.num_tokens
+        node: RadixNode | None = match.node
+        while node is not None and node.parent is not None:
+            if node.snapshot is not None:
+                out.append((pos, node.snapshot))
+            pos -= len(node.blocks) * block_size
+            node = node.parent
+        return out
+
+    def _drop_snapshot(self, node: RadixNode) -> int:
+        """Returns how many sliding blocks this freed (shared ones only lose a reference)."""
+        snap, node.snapshot = node.snapshot, None
+        if snap is None:
+            return 0
+        freed = sum(self.snapshot_allocator.ref_count(b) == 1 for b in snap.blocks)
+        self.snapshot_allocator.free(snap.blocks)
+        self.num_snapshots -= 1
+        return freed
+
+    def evict_snapshots(self, num_blocks: int) -> int:
+        """Drop least recently used snapshots until num_blocks sliding blocks are free."""
+        # Pinned paths too: a request resuming from a snapshot holds its own references.
+        nodes = sorted((n for n in self._nodes() if n.snapshot is not None),
+                       key=lambda n: n.last_access)
+        freed = 0
+        for node in nodes:
+            if freed >= num_blocks:
+                break
+            freed += self._drop_snapshot(node)
+        return freed
+
+    def evictable_snapshot_blocks(self) -> int:
+        """Sliding blocks that evict_snapshots() could free right now: those whose every
+        reference is a snapshot's (two snapshots may share a block)."""
+        refs: Counter[int] = Counter(
+            b for n in self._nodes() if n.snapshot is not None for b in n.snapshot.blocks)
+        return sum(self.snapshot_allocator.ref_count(b) == k for b, k in refs.items())
 
     # ------------------------------------------------------------------ eviction
 
@@ -204,6 +280,7 @@ class RadixCache:
                 and bool(node.blocks) and self._tree_only(node.blocks[-1]))
 
     def _drop_tail(self, node: RadixNode) -> None:
+        self._drop_snapshot(node)  # its position is no longer cached
         if self.on_evict is not None:
             self.on_evict(self._prefix_tokens(node), node.blocks[-1])
         node.keys.pop()

@@ -40,6 +40,7 @@ class SchedulerConfig:
     sliding_window: int | None = None
     prefix_caching: bool = True
     swa_replay_tokens: int | None = None  # None: the window W
+    sliding_layers: int = 1  # a replay of sliding_layers x W rebuilds the windows exactly
     host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
     num_speculative_tokens: int = 0  # draft slots a decode may get (0: no speculation)
     speculative_disable_by_batch_size: int | None = None
@@ -61,7 +62,8 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
                             config.sliding_window, config.prefix_caching,
-                            config.swa_replay_tokens, config.host_blocks)
+                            config.swa_replay_tokens, config.host_blocks,
+                            config.sliding_layers)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -243,6 +245,8 @@ class Scheduler:
             seq = ScheduledSeq(req.request_id, token_ids, start,
                                [pack_ids(t) for t in req.tables], sample,
                                req.full_kv_from, req.window_from, draft_slots)
+            if start < req.num_prompt <= start + n:
+                self.kv.cache_prompt(req)  # the prompt's end is computed in this step
             req.num_computed += n
             req.num_pending += sample
             req.spec_in_flight = draft_slots > 0
@@ -317,6 +321,8 @@ class Scheduler:
             prefix_cache_hits=self.kv.cache.hits_tokens if self.kv.cache else 0,
             prefix_cache_evictions=self.kv.cache.evictions if self.kv.cache else 0,
             replayed_tokens=self.kv.replayed_tokens,
+            swa_snapshot_hits=self.kv.snapshot_hits,
+            swa_snapshots=self.kv.cache.num_snapshots if self.kv.cache else 0,
             host_blocks_used=self.kv.host.num_used if self.kv.host else 0,
             host_blocks_out=self.kv.host.blocks_out if self.kv.host else 0,
             host_blocks_in=self.kv.host.blocks_in if self.kv.host else 0,

@@ -47,6 +47,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         sliding_window=model.sliding_window,
         prefix_caching=cfg.enable_prefix_caching,
         swa_replay_tokens=cfg.swa_replay_tokens(),
+        sliding_layers=cfg.sliding_layers(),
         host_blocks=cfg.host_kv_blocks(),
         num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative_method else 0,
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,

@@ -54,6 +54,8 @@ class EngineStatsCollector(Collector):
                 "prompt tokens found in the prefix cache / looked up",
                 s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else 0.0),
             "deepinfer_host_kv_blocks_used": ("host-tier blocks in use", s.host_blocks_used),
+            "deepinfer_swa_snapshots": ("sliding-window snapshots held by the prefix cache",
+                                        s.swa_snapshots),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)
@@ -71,6 +73,9 @@ class EngineStatsCollector(Collector):
             "deepinfer_swa_replayed_tokens": (
                 "tokens recomputed to rebuild sliding windows after prefix hits",
                 s.replayed_tokens),
+            "deepinfer_swa_snapshot_hits": (
+                "prefix hits that resumed the sliding layers from a window snapshot",
+                s.swa_snapshot_hits),
             "deepinfer_host_kv_blocks_out": ("blocks copied to the host tier", s.host_blocks_out),
             "deepinfer_host_kv_blocks_in": ("blocks copied back from the host tier",
                                             s.host_blocks_in),

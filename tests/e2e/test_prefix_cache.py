@@ -1,8 +1,9 @@
 """Prefix caching through the real processes, against cold runs of the same engine config.
 
 Contract (README, "Prefix caching and sliding windows"): full-attention models reuse cached KV
-exactly; hybrid sliding-window models replay W tokens by default (bounded, approximate) or
-sliding_layers * W tokens with swa_replay="exact" (identical to a cold run).
+exactly; hybrid sliding-window models resume from a window snapshot where a cached prompt or
+answer ended (no replay, identical to a cold run), else replay W tokens by default (bounded,
+approximate) or sliding_layers * W tokens with swa_replay="exact" (identical to a cold run).
 """
 
 from __future__ import annotations
@@ -78,6 +79,45 @@ def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
     assert out.token_ids == ref.token_ids
     assert max(abs(x.chosen.logprob - y.chosen.logprob)
                for x, y in zip(out.logprobs, ref.logprobs)) < 1e-4
+
+
+def close_to(out, ref) -> bool:
+    return out.token_ids == ref.token_ids and max(
+        abs(x.chosen.logprob - y.chosen.logprob) for x, y in zip(out.logprobs, ref.logprobs)
+    ) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["window", "exact"])
+def test_hybrid_repeated_prompt_resumes_from_its_snapshot(hybrid_dir, mode):
+    """The prompt's end leaves a snapshot of the sliding window: the same prompt again hits
+    there, replays nothing and computes what a cold run does."""
+    prompt = prompts(10 * W, seed=2)[0]  # 85 tokens: a hit at 84
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_replay=mode) as llm:
+        llm.generate([prompt], GREEDY)
+        before = llm.stats()
+        out = llm.generate([prompt], GREEDY)[0]
+        after = llm.stats()
+    assert out.cached_tokens == 84 and after.replayed_tokens == before.replayed_tokens
+    assert after.swa_snapshot_hits == before.swa_snapshot_hits + 1 and after.swa_snapshots > 0
+    assert close_to(out, cold(hybrid_dir, prompt))
+
+
+def test_hybrid_next_chat_turn_resumes_from_the_previous_answer(hybrid_dir):
+    """Multi-turn chat: the next turn's prompt starts with the previous prompt and answer,
+    whose finish left a snapshot; the hit replays nothing."""
+    first = prompts(6 * W, seed=3)[0]
+    rng = np.random.default_rng(4)
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4) as llm:
+        answer = llm.generate([first], GREEDY)[0]
+        turn2 = first + answer.token_ids + rng.integers(3, 40000, 9).tolist()
+        before = llm.stats()
+        out = llm.generate([turn2], GREEDY)[0]
+        after = llm.stats()
+    # The answer's last token was never computed: the cache ends at the block before it.
+    assert out.cached_tokens == (len(first) + len(answer.token_ids) - 1) // 4 * 4
+    assert after.replayed_tokens == before.replayed_tokens
+    assert after.swa_snapshot_hits == before.swa_snapshot_hits + 1
+    assert close_to(out, cold(hybrid_dir, turn2))
 
 
 def test_host_tier_brings_evicted_blocks_back(tiny_model_dir):
