@@ -141,9 +141,10 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
 
 
 def model_dir(model: str) -> str:
-    from engine.config import EngineConfig
+    """A directory, or a named model (prepared first if it is not yet)."""
+    from engine.model_store import ensure_model
 
-    return EngineConfig(model=model).resolved_model_dir()
+    return ensure_model(model)
 
 
 def vocab_size(model: str) -> int:
