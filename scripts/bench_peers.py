@@ -142,9 +142,10 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
 
 def model_dir(model: str) -> str:
     """A directory, or a named model (prepared first if it is not yet)."""
+    from engine.config import EngineConfig
     from engine.model_store import ensure_model
 
-    return ensure_model(model)
+    return EngineConfig(model=ensure_model(model)).resolved_model_dir()
 
 
 def vocab_size(model: str) -> int:

@@ -10,12 +10,19 @@ from engine import LLM, SamplingParams
 from tests.conftest import save_tiny_model
 
 
-def hf_greedy(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
+def hf_gaps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Per generated token: HF's best logit minus HF's logit of that token, given the same
+    history, relative to the logits' scale (0 where the engine chose HF's argmax)."""
     with torch.no_grad():
-        for _ in range(n):
-            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+        logits = model(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1: -1]
+    chosen = logits.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1)
+    best = logits.max(dim=-1).values
+    return (best - chosen) / logits.abs().max(dim=-1).values.clamp(min=1.0)
+
+
+# Relative logit gap under which float32 noise from other batch shapes (chunks, preemption)
+# may flip a greedy choice: ~100x float32's epsilon over a few hundred accumulated terms.
+TIE = 1e-4
 
 
 VARIANTS = {
@@ -41,8 +48,10 @@ def test_greedy_32_tokens_match_hf_with_chunking_and_preemption(variant, tmp_pat
     prompts = [rng.integers(3, 40000, size=n).tolist() for n in (3, 29, 12, 41, 7, 20)]
     # 40 blocks of 4 tokens cannot hold six requests of up to 73 tokens: the scheduler must
     # preempt; chunks of 8 tokens under a 16-token budget force chunked prefill.
+    # Preempted requests come back through the prefix cache: for hybrid models the exact
+    # replay mode keeps that identical to a cold run (window mode is approximate by contract).
     with LLM(str(model_dir), num_kv_blocks=40, block_size=4, prefill_chunk_size=8,
-             max_num_batched_tokens=16) as llm:
+             max_num_batched_tokens=16, swa_replay="exact") as llm:
         params = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
         outs = llm.generate(prompts, params)
         stats = llm.stats()
@@ -54,8 +63,12 @@ def test_greedy_32_tokens_match_hf_with_chunking_and_preemption(variant, tmp_pat
     assert stats.kv_blocks_free == stats.kv_blocks_total
     ref_model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     for prompt, out in zip(prompts, outs):
-        assert out.finish_reason == "length"
-        assert out.token_ids == hf_greedy(ref_model, prompt, 32)
+        assert out.finish_reason == "length" and len(out.token_ids) == 32
+        # Every token is HF's greedy choice after the same history, up to ties within float32
+        # noise (a tiny random Gemma 3's scaled embeddings make its logits large).
+        gaps = hf_gaps(ref_model, prompt, out.token_ids)
+        assert float(gaps.max()) <= TIE, (gaps.max(), out.token_ids)
+        assert int((gaps > 0).sum()) <= 2
 
 
 def test_default_model_answers_paris(default_model):
