@@ -125,33 +125,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                         model.max_position_embeddings)
         return min(model_len, self.kv_blocks() * self.block_size)
 
-    def sliding_layers(self) -> int:
-        model = self.model_config()
-        return model.layer_kinds.count(SLIDING)
-
     def swa_replay_tokens(self) -> int | None:
         model = self.model_config()
         if model.sliding_window is None:
             return None
         if self.swa_replay == "exact":
-            return self.sliding_layers() * model.sliding_window
+            return model.layer_kinds.count(SLIDING) * model.sliding_window
         if self.swa_replay != "window":
             raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
         return model.sliding_window
 
     def kv_bytes_per_block(self, num_layers: int | None = None) -> int:
         """Bytes of K and V for one block of `num_layers` layers (default: all of them)."""
-        model = self.model_config()
-        layers = model.num_layers if num_layers is None else num_layers
-        per_token = 2 * layers * model.num_kv_heads * model.head_dim
-        return per_token * self.block_size * _DTYPE_BYTES[self.dtype]
+        spec = self.model_config().kv_cache_spec()
+        layers = None if num_layers is None else list(range(num_layers))
+        return spec.bytes_per_token(_DTYPE_BYTES[self.dtype], layers) * self.block_size
 
     def host_kv_blocks(self) -> int:
         """Host-tier blocks: they hold full-attention layers only."""
         if self.host_kv_cache_gb <= 0:
             return 0
         model = self.model_config()
-        full_layers = model.layers_in_group(0) if model.kv_groups()[0] == FULL else 0
+        full_layers = len(model.kv_cache_spec().layers_of(FULL))
         if not full_layers:
             return 0
         return max(1, int(self.host_kv_cache_gb * (1 << 30))

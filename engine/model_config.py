@@ -15,8 +15,7 @@ from typing import Any
 
 import msgspec
 
-FULL = "full"
-SLIDING = "sliding"
+from engine.kv_spec import FULL, SLIDING, KVCacheSpec, LayerKVSpec
 
 
 class ModelConfigError(ValueError):
@@ -124,19 +123,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight) (Gemma: 1)
     final_logit_softcapping: float | None = None
 
-    def kv_groups(self) -> list[str]:
-        """KV cache groups in a fixed order: full layers first, then sliding layers.
-
-        Each group has its own block pool and its own block table per request: sliding layers
-        only keep the blocks inside their window.
-        """
-        return [k for k in (FULL, SLIDING) if k in self.layer_kinds]
-
-    def layer_group(self, layer: int) -> int:
-        return self.kv_groups().index(self.layer_kinds[layer])
-
-    def layers_in_group(self, group: int) -> int:
-        return self.layer_kinds.count(self.kv_groups()[group])
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """What each layer keeps per token in the paged KV cache (engine/kv_spec.py)."""
+        return KVCacheSpec(tuple(
+            LayerKVSpec(kind, self.num_kv_heads, self.head_dim,
+                        self.sliding_window if kind == SLIDING else None)
+            for kind in self.layer_kinds))
 
     @classmethod
     def from_dir(cls, model_dir: str) -> ModelConfig:

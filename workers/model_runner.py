@@ -13,7 +13,8 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.config import SLIDING, EngineConfig
+from engine.config import EngineConfig
+from engine.kv_spec import FULL, LayerKVSpec
 from engine.protocol import (
     CompileGrammar,
     SampledLogprobs,
@@ -43,25 +44,18 @@ class ModelRunner:
         self.model = load_model(config.resolved_model_dir(), config.dtype,
                                 config.cpu_linear_weights, self.attention)
         info = config.model_config()
-        self.groups = info.kv_groups()
-        self.windows = [info.sliding_window if g == SLIDING else None for g in self.groups]
+        spec = info.kv_cache_spec()
+        self.groups = [g.kind for g in spec.groups()]
+        self.windows = [g.window for g in spec.groups()]
         self.block_size = config.block_size
         self.num_blocks = config.kv_blocks()
-        shape = (self.num_blocks, self.block_size, info.num_kv_heads, info.head_dim)
-        # One (K, V) pair per layer; a slot is block * block_size + offset.
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
-            for _ in range(info.num_layers)
-        ]
+        # One (K, V) pair per layer, shaped by its spec; a slot is block * block_size + offset.
+        self.kv_caches = [self._kv_pair(self.num_blocks, layer, dtype) for layer in spec.layers]
         # Host tier (prefix-cache blocks evicted from the device), full-attention layers only.
         host_blocks = config.host_kv_blocks()
-        self.full_layers = [i for i in range(info.num_layers)
-                            if self.groups[info.layer_group(i)] != SLIDING]
-        host_shape = (host_blocks, self.block_size, info.num_kv_heads, info.head_dim)
-        self.host_caches = {
-            i: (torch.zeros(host_shape, dtype=dtype), torch.zeros(host_shape, dtype=dtype))
-            for i in (self.full_layers if host_blocks else [])
-        }
+        self.full_layers = spec.layers_of(FULL)
+        self.host_caches = {i: self._kv_pair(host_blocks, spec.layers[i], dtype)
+                            for i in (self.full_layers if host_blocks else [])}
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
         self.proposer: Proposer | None = build_proposer(config, self.sampler)
@@ -86,6 +80,11 @@ class ModelRunner:
                         on_ready: Callable[[str, str | None], None]) -> None:
         """Start compiling a request's grammar off the step loop; `on_ready` follows."""
         self.grammars.submit(msg.request_id, msg.grammar, on_ready)
+
+    def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (blocks, self.block_size, *layer.entry_shape())
+        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies, before the forward: swap-outs first, then swap-ins."""

@@ -1,6 +1,6 @@
 """KV blocks of every request, per KV group, with the prefix cache on the full-attention group.
 
-Groups (ModelConfig.kv_groups): full-attention layers keep every block of a request; sliding-window
+Groups (engine/kv_spec.py): full-attention layers keep every block of a request; sliding-window
 layers keep only the blocks their window can still see, so their memory per request is bounded
 by the window W, not by the sequence length. Each group has its own allocator and a request has
 one block table per group (a freed sliding block leaves -1 in its table).
@@ -23,31 +23,35 @@ from __future__ import annotations
 
 import time
 
+from engine.kv_spec import FULL, SLIDING, KVGroup
 from engine.kvcache.block_allocator import BlockAllocator
 from engine.kvcache.host_tier import HostTier
 from engine.kvcache.radix_cache import RadixCache, Snapshot
-from engine.model_config import FULL, SLIDING
 from engine.request import Request
 
 
 class KVManager:
     def __init__(
-        self, num_blocks: int, block_size: int, groups: list[str], window: int | None,
-        prefix_caching: bool = True, replay_tokens: int | None = None,
-        host_blocks: int = 0, sliding_layers: int = 1,
+        self, num_blocks: int, block_size: int, groups: list[KVGroup],
+        prefix_caching: bool = True, replay_tokens: int | None = None, host_blocks: int = 0,
     ) -> None:
+        kinds = [g.kind for g in groups]
+        if kinds.count(SLIDING) > 1:
+            raise ValueError("one sliding-window size per model is supported")
+        sliding = next((g for g in groups if g.kind == SLIDING), None)
+        window = sliding.window if sliding is not None else None
         self.block_size = block_size
         # Tokens a hit recomputes for sliding layers: W (bounded, approximate) by default;
         # sliding_layers * W makes the rebuilt windows exact (see README).
         self.replay_tokens = replay_tokens if replay_tokens is not None else (window or 0)
         # What a replay must cover to be exact, whatever the mode: each sliding layer's window
         # depends on the previous layer's window before it.
-        self.exact_replay = sliding_layers * (window or 0)
-        self.groups = groups
+        self.exact_replay = max(1, len(sliding.layers)) * window if sliding else 0
+        self.groups = kinds
         self.window = window
         self.allocators = [BlockAllocator(num_blocks, block_size) for _ in groups]
-        self.full = groups.index(FULL) if FULL in groups else None
-        self.sliding = groups.index(SLIDING) if SLIDING in groups else None
+        self.full = kinds.index(FULL) if FULL in kinds else None
+        self.sliding = kinds.index(SLIDING) if SLIDING in kinds else None
         self._sliding_allocator = (self.allocators[self.sliding] if self.sliding is not None
                                    else None)
         # Without full-attention layers nothing exact can be reused: no prefix cache.

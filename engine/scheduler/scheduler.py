@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.kv_spec import FULL, KVGroup
 from engine.kvcache.kv_manager import KVManager
-from engine.model_config import FULL
 from engine.protocol import (
     FinishReason,
     NewRequestInfo,
@@ -36,11 +36,9 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512
     context_len: int = 4096
     eos_token_ids: tuple[int, ...] = ()
-    kv_groups: tuple[str, ...] = (FULL,)
-    sliding_window: int | None = None
+    kv_groups: tuple[KVGroup, ...] = (KVGroup(FULL),)  # from the model's KV cache spec
     prefix_caching: bool = True
     swa_replay_tokens: int | None = None  # None: the window W
-    sliding_layers: int = 1  # a replay of sliding_layers x W rebuilds the windows exactly
     host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
     num_speculative_tokens: int = 0  # draft slots a decode may get (0: no speculation)
     speculative_disable_by_batch_size: int | None = None
@@ -61,9 +59,8 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
-                            config.sliding_window, config.prefix_caching,
-                            config.swa_replay_tokens, config.host_blocks,
-                            config.sliding_layers)
+                            config.prefix_caching, config.swa_replay_tokens,
+                            config.host_blocks)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}

@@ -16,7 +16,7 @@ from collections import deque
 import numpy as np
 import pytest
 
-from engine.model_config import FULL, SLIDING
+from engine.kv_spec import FULL, SLIDING, KVGroup
 from engine.protocol import FinishReason, SamplingParams, TokenizedRequest, pack_ids
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.engine.sim_worker import SimulatedWorker
@@ -37,8 +37,9 @@ def random_config(rng: random.Random) -> SchedulerConfig:
     return SchedulerConfig(
         num_blocks=rng.randint(6, 40), block_size=block_size, max_num_seqs=rng.randint(1, 8),
         max_num_batched_tokens=rng.randint(4, 64), prefill_chunk_size=rng.randint(2, 32),
-        context_len=rng.choice([64, 256]), eos_token_ids=(EOS,), kv_groups=groups,
-        sliding_window=window, prefix_caching=caching, swa_replay_tokens=replay,
+        context_len=rng.choice([64, 256]), eos_token_ids=(EOS,),
+        kv_groups=tuple(KVGroup(g, window if g == SLIDING else None) for g in groups),
+        prefix_caching=caching, swa_replay_tokens=replay,
         host_blocks=host, num_speculative_tokens=spec,
         speculative_disable_by_batch_size=rng.choice([None, rng.randint(1, 4)]))
 
@@ -48,7 +49,8 @@ def run_traffic(cfg: SchedulerConfig, seed: int, steps: int, lag: int) -> tuple[
     (1 is overlap scheduling). Returns the scheduler and how many slots were checked."""
     rng = random.Random(seed)
     s = Scheduler(cfg)
-    worker = SimulatedWorker(list(cfg.kv_groups), cfg.block_size, cfg.sliding_window,
+    window = next((g.window for g in cfg.kv_groups if g.kind == SLIDING), None)
+    worker = SimulatedWorker([g.kind for g in cfg.kv_groups], cfg.block_size, window,
                              random.Random(seed + 1), vocab=[EOS] + list(range(3, 12)) * 4)
     prefixes = [np.random.default_rng(seed * 10 + i).integers(3, 300, 40).tolist()
                 for i in range(3)]

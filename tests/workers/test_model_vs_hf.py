@@ -71,8 +71,7 @@ def test_prefill_logits_match_hf_under_chunking(tiny, kernels, monkeypatch):
     info = cfg.model_config()
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=block_size,
                                       max_num_batched_tokens=24, prefill_chunk_size=10,
-                                      kv_groups=tuple(info.kv_groups()),
-                                      sliding_window=info.sliding_window))
+                                      kv_groups=info.kv_cache_spec().groups()))
     rng = np.random.default_rng(0)
     prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist()
                for i, n in enumerate([5, 17, 33, 9, 1])}

@@ -62,8 +62,9 @@ class Gemma3Model(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.embed_scale = cfg.embed_scale
+        spec = cfg.kv_cache_spec()
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, sliding if kind == SLIDING else full, cfg.layer_group(i),
+            Gemma3DecoderLayer(cfg, sliding if kind == SLIDING else full, spec.group_of(i),
                                backend, mlp(cfg, i))
             for i, kind in enumerate(cfg.layer_kinds))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)

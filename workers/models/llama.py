@@ -150,8 +150,9 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        spec = cfg.kv_cache_spec()
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, cfg.layer_group(i), backend, mlp(cfg, i))
+            DecoderLayer(cfg, rotary, spec.group_of(i), backend, mlp(cfg, i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary

@@ -43,7 +43,7 @@ class DraftModelProposer(Proposer):
                  block_size: int, host_blocks: int, weight_copies: str, sampler: Sampler) -> None:
         target = ModelConfig.from_dir(target_dir)
         cfg = ModelConfig.from_dir(draft_dir)
-        if FULL not in target.kv_groups():
+        if not target.kv_cache_spec().layers_of(FULL):
             raise ModelConfigError("a draft model needs a target with full-attention layers")
         if set(cfg.layer_kinds) != {FULL}:
             raise ModelConfigError("the draft model must use full attention in every layer")

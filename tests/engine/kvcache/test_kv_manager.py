@@ -6,7 +6,7 @@ import random
 
 import numpy as np
 
-from engine.model_config import FULL, SLIDING
+from engine.kv_spec import FULL, SLIDING, KVGroup
 from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids
 from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -15,7 +15,7 @@ def hybrid(num_blocks=64, budget=32, chunk=16, window=8, caching=True, max_seqs=
     return Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=4, max_num_seqs=max_seqs,
         max_num_batched_tokens=budget, prefill_chunk_size=chunk, context_len=4096,
-        eos_token_ids=(2,), kv_groups=(FULL, SLIDING), sliding_window=window,
+        eos_token_ids=(2,), kv_groups=(KVGroup(FULL), KVGroup(SLIDING, window)),
         prefix_caching=caching, host_blocks=host))
 
 

@@ -1,0 +1,37 @@
+"""The KV cache spec: groups and tensor shapes derive from per-layer specs."""
+
+from __future__ import annotations
+
+from engine.kv_spec import FULL, SLIDING, KVCacheSpec, KVGroup, LayerKVSpec
+from engine.model_config import ModelConfig
+
+
+def gemma_like() -> ModelConfig:
+    return ModelConfig.from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 12,
+        "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 16,
+        "vocab_size": 100, "sliding_window": 32,
+        "layer_types": (["sliding_attention"] * 5 + ["full_attention"]) * 2})
+
+
+def test_groups_put_full_layers_first_then_the_window():
+    spec = gemma_like().kv_cache_spec()
+    assert spec.groups() == (KVGroup(FULL, None, (5, 11)),
+                             KVGroup(SLIDING, 32, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)))
+    assert [spec.group_of(i) for i in (0, 5, 6, 11)] == [1, 0, 1, 0]
+    assert spec.layers_of(FULL) == [5, 11]
+
+
+def test_entry_shapes_and_bytes_follow_the_layers():
+    spec = gemma_like().kv_cache_spec()
+    assert spec.layers[0].entry_shape() == (1, 16)
+    assert spec.bytes_per_token(4) == 12 * 2 * 16 * 4
+    assert spec.bytes_per_token(4, spec.layers_of(FULL)) == 2 * 2 * 16 * 4
+
+
+def test_layers_with_other_windows_get_their_own_group():
+    spec = KVCacheSpec((LayerKVSpec(SLIDING, 2, 8, 16), LayerKVSpec(FULL, 2, 8),
+                        LayerKVSpec(SLIDING, 2, 8, 64), LayerKVSpec(SLIDING, 2, 8, 16)))
+    assert [(g.kind, g.window, g.layers) for g in spec.groups()] == [
+        (FULL, None, (1,)), (SLIDING, 16, (0, 3)), (SLIDING, 64, (2,))]
