@@ -24,11 +24,23 @@ from tests.frontend.fake_engine import FakeEngineClient
 from tests.frontend.server_process import REPO, ServerProcess, descendants, free_port
 
 
+def _worker_pid(engine_pids: list[int]) -> int:
+    """The engine's worker0 process: its argv names it (see engine.runtime.launcher)."""
+    for pid in engine_pids:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        if b"engine.runtime.process_entry" in argv and b"worker0" in argv:
+            return pid
+    raise AssertionError(f"no worker0 among {engine_pids}")
+
+
 def test_engine_death_fails_requests_and_exits(tiny_model_dir):
     srv = ServerProcess(tiny_model_dir, "--num-kv-blocks", "128")
     try:
         engine_pids = descendants(srv.proc.pid)
-        assert engine_pids
+        worker = _worker_pid(engine_pids)
+        # A stopped worker cannot finish the request however fast the machine is: it is
+        # certainly in flight when the worker dies.
+        os.kill(worker, signal.SIGSTOP)
         result: dict[str, httpx.Response] = {}
 
         def long_request() -> None:
@@ -38,8 +50,9 @@ def test_engine_death_fails_requests_and_exits(tiny_model_dir):
 
         thread = threading.Thread(target=long_request)
         thread.start()
-        time.sleep(0.5)  # the request is decoding
-        os.kill(max(engine_pids), signal.SIGKILL)  # the last child started: a worker
+        time.sleep(0.5)  # the request reaches the engine; it cannot finish there
+        assert thread.is_alive()
+        os.kill(worker, signal.SIGKILL)
         thread.join(30)
         assert result["r"].status_code == 503, result["r"].text
         assert "engine" in result["r"].json()["error"]["message"]
