@@ -46,6 +46,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # "window" replays W tokens (bounded, approximate beyond the first sliding layer);
     # "exact" replays sliding_layers * W tokens (identical to a cold run).
     swa_replay: str = "window"
+    # Sliding-window snapshots inside long prompts, every this many tokens (rounded down to a
+    # block): a hit between two replays from the nearest one. None: every window W (then a hit
+    # along a cached prompt always finds one within W, and replays from it exactly); 0: only at
+    # the ends of prompts and requests.
+    swa_snapshot_interval: int | None = None
     # Plan step N+1 while the workers compute step N (see engine/scheduler_process.py).
     overlap_scheduling: bool = True
     seed: int = 0
@@ -134,6 +139,18 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.swa_replay != "window":
             raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
         return model.sliding_window
+
+    def swa_snapshot_tokens(self) -> int:
+        """Prompt tokens between two sliding-window snapshots (0: none inside prompts)."""
+        window = self.model_config().sliding_window
+        if window is None:
+            return 0
+        if self.swa_snapshot_interval is None:
+            # At most W apart, so the window-mode budget always reaches the nearest one.
+            return max(self.block_size, window // self.block_size * self.block_size)
+        if self.swa_snapshot_interval < 0:
+            raise ValueError("swa_snapshot_interval must be >= 0")
+        return self.swa_snapshot_interval
 
     def kv_bytes_per_block(self, num_layers: int | None = None) -> int:
         """Bytes of K and V for one block of `num_layers` layers (default: all of them)."""

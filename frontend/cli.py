@@ -35,6 +35,8 @@ _ENGINE_ARGS = [
     ("--seed", int, "engine seed"),
     ("--host-kv-cache-gb", float, "host-memory tier for evicted prefix-cache blocks (0: off)"),
     ("--swa-replay", str, "sliding-window rebuild after a prefix hit: window (W tokens) or exact"),
+    ("--swa-snapshot-interval", int, "keep a sliding-window snapshot every this many prompt "
+     "tokens (default: the window W; 0: only where prompts and requests end)"),
     ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
     ("--cpu-linear-weights", str, "copies of each linear weight on CPU: both (fastest, 2x "
      "memory), packed, plain, or auto (both while cheap, default)"),

@@ -1,15 +1,18 @@
 """Prefix hits on a real hybrid sliding-window model (Gemma 3 270M by default): what a hit costs
 in each SWA mode, and whether many interleaved chat sessions keep their hits.
 
-* ttft - for each cached prefix length H: a first request caches H tokens plus a suffix, then
-  (all with max_tokens=1, greedy, best of --repeats):
+* ttft - for each hit length H: a first request caches H tokens plus a suffix, then (all with
+  max_tokens=1, greedy, best of --repeats):
     - cold: the second prompt with the prefix cache off;
-    - window / exact (replay): a second prompt with the same H-token prefix and a new suffix: a
-      hit at H with no snapshot there, so the sliding windows are replayed (W tokens in window
-      mode, sliding layers x W in exact mode);
-    - exact at a snapshot: the first prompt again: the hit ends where its prompt left a window
-      snapshot, so nothing is replayed.
-  Each mode runs in its own engine (`--swa-replay`), one after another.
+    - window / exact, no snapshot: a second prompt with the same H-token prefix and a new suffix,
+      in an engine that keeps snapshots only where prompts end (--swa-snapshot-interval 0): the
+      hit at H has none, so the sliding windows are replayed (W tokens in window mode, sliding
+      layers x W in exact mode);
+    - between snapshots: the same in an engine with the default interval (a snapshot every W
+      tokens of the first prompt): the hit replays from the nearest snapshot before H;
+    - at a snapshot: the first prompt again: its hit ends where its prompt left a snapshot, so
+      nothing is replayed.
+  Each engine runs on its own, one after another.
 * sessions - --sessions chat sessions, --turns turns each, served round-robin (turn t of every
   session, then turn t+1): each turn's prompt is the session so far (previous prompts and
   answers) plus --turn-tokens new tokens, answered with --answer-tokens tokens. Reports the
@@ -55,8 +58,8 @@ def ttft_rows(args: argparse.Namespace, model: str) -> list[dict]:
     prompts = {}
     for h in lengths:
         prefix = rng.integers(10, 200000, h).tolist()
-        # Suffixes longer than a block: the first prompt's snapshot lies past H, so a second
-        # prompt's hit at H has none and replays; each repeat has a new second prompt.
+        # Suffixes longer than a block: the first prompt's last snapshot lies past H, so a
+        # second prompt's hit at H does not land on it; each repeat has a new second prompt.
         seconds = [prefix + rng.integers(10, 200000, 24).tolist() for _ in range(args.repeats)]
         prompts[h] = (prefix + rng.integers(10, 200000, 24).tolist(), seconds)
     common = dict(max_model_len=max(lengths) + 64, max_num_batched_tokens=2048,
@@ -66,25 +69,30 @@ def ttft_rows(args: argparse.Namespace, model: str) -> list[dict]:
         best_ttft(cold, prompts[lengths[0]][0][:64], 1)  # warm-up
         for h in lengths:
             rows[h]["cold_ms"] = best_ttft(cold, prompts[h][1].__getitem__, args.repeats) * 1e3
-    for mode in ("window", "exact"):
-        with LLM(model, swa_replay=mode, **common) as llm:
+    engines = {  # name: engine settings
+        "window": dict(swa_replay="window", swa_snapshot_interval=0),
+        "exact": dict(swa_replay="exact", swa_snapshot_interval=0),
+        "between": dict(swa_replay="window"),  # the default interval: W
+    }
+    for name, settings in engines.items():
+        with LLM(model, **settings, **common) as llm:
             best_ttft(llm, prompts[lengths[0]][0][:64], 1)
             for h in lengths:
                 first, seconds = prompts[h]
-                llm.generate([first], ONE)  # caches the prefix (and a snapshot past it)
+                llm.generate([first], ONE)  # caches the prefix (and snapshots)
                 stats0 = llm.stats()
                 ms = best_ttft(llm, seconds.__getitem__, args.repeats) * 1e3
                 stats1 = llm.stats()
-                replayed = (stats1.replayed_tokens - stats0.replayed_tokens) // args.repeats
-                rows[h][f"{mode}_replay_ms"] = ms
-                rows[h][f"{mode}_replayed_tokens"] = replayed
-                if mode == "exact":
-                    stats0 = llm.stats()
-                    rows[h]["exact_snapshot_ms"] = best_ttft(llm, first, args.repeats) * 1e3
-                    stats1 = llm.stats()
-                    rows[h]["snapshot_hits"] = stats1.swa_snapshot_hits - stats0.swa_snapshot_hits
-                    rows[h]["snapshot_replayed_tokens"] = (stats1.replayed_tokens
-                                                           - stats0.replayed_tokens)
+                rows[h][f"{name}_ms"] = ms
+                rows[h][f"{name}_replayed_tokens"] = ((stats1.replayed_tokens
+                                                       - stats0.replayed_tokens) // args.repeats)
+                rows[h][f"{name}_snapshot_hits"] = (stats1.swa_snapshot_hits
+                                                    - stats0.swa_snapshot_hits)
+                if name == "between":
+                    rows[h]["snapshot_ms"] = best_ttft(llm, first, args.repeats) * 1e3
+                    stats2 = llm.stats()
+                    rows[h]["snapshot_replayed_tokens"] = (stats2.replayed_tokens
+                                                           - stats1.replayed_tokens)
     return [rows[h] for h in lengths]
 
 
@@ -123,7 +131,8 @@ def sessions(args: argparse.Namespace, model: str, kv_blocks: int) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="gemma3-270m")
-    p.add_argument("--lengths", default="1024,2048,4096")
+    p.add_argument("--lengths", default="1280,2304,4352",
+                   help="hit lengths: ~1k, 2k, 4k, half a window (256) past a snapshot")
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--sessions", type=int, default=16)
     p.add_argument("--turns", type=int, default=4)
@@ -141,13 +150,12 @@ def main(argv: list[str] | None = None) -> int:
                                          *(argv if argv is not None else sys.argv[1:])])}
     if "ttft" in args.workloads:
         result["ttft"] = ttft_rows(args, model)
-        print(f"{'H':>6} {'cold':>8} {'window':>8} {'(repl)':>7} {'exact':>8} {'(repl)':>7} "
-              f"{'snapshot':>9} {'(repl)':>7}   TTFT ms, replayed tokens")
+        cols = ["window", "exact", "between", "snapshot"]
+        print(f"{'H':>6} {'cold':>8} " + " ".join(f"{c:>9} {'(repl)':>7}" for c in cols)
+              + "   TTFT ms, replayed tokens")
         for r in result["ttft"]:
-            print(f"{r['prefix_tokens']:>6} {r['cold_ms']:>8.0f} {r['window_replay_ms']:>8.0f} "
-                  f"{r['window_replayed_tokens']:>7} {r['exact_replay_ms']:>8.0f} "
-                  f"{r['exact_replayed_tokens']:>7} {r['exact_snapshot_ms']:>9.0f} "
-                  f"{r['snapshot_replayed_tokens']:>7}")
+            print(f"{r['prefix_tokens']:>6} {r['cold_ms']:>8.0f} " + " ".join(
+                f"{r[c + '_ms']:>9.0f} {r[c + '_replayed_tokens']:>7}" for c in cols))
     if "sessions" in args.workloads:
         result["sessions"] = [sessions(args, model, int(n))
                               for n in args.session_kv_blocks.split(",")]

@@ -7,11 +7,11 @@ one block table per group (a freed sliding block leaves -1 in its table).
 
 Prefix cache (radix tree over the full group): a hit at H reuses blocks [0, H) of the full
 layers. Sliding layers need their window too:
-- Snapshots: where a request's prompt ends and where it finishes (block-aligned), the sliding
-  blocks a query there can still see are kept with the tree node for that position. A hit at a
-  snapshot P = H reuses them: no replay, and the K/V is the one a cold run computed. A hit past
-  the nearest snapshot P replays [P, H) from it (exact), when that costs no more than the mode's
-  replay budget.
+- Snapshots: every `snapshot_interval` tokens of a prompt, where the prompt ends and where the
+  request finishes (block-aligned), the sliding blocks a query there can still see are kept
+  with the tree node for that position. A hit at a snapshot P = H reuses them: no replay, and
+  the K/V is the one a cold run computed. A hit past the nearest snapshot P replays [P, H) from
+  it (exact), when that costs no more than the mode's replay budget.
 - Otherwise the hit replays tokens [R, H), R = H - replay budget rounded down to a block, through
   the model (full layers attend but do not write there) to rebuild the window: W tokens by
   default (bounded, approximate), sliding layers x W with --swa-replay exact.
@@ -34,6 +34,7 @@ class KVManager:
     def __init__(
         self, num_blocks: int, block_size: int, groups: list[KVGroup],
         prefix_caching: bool = True, replay_tokens: int | None = None, host_blocks: int = 0,
+        snapshot_interval: int = 0,
     ) -> None:
         kinds = [g.kind for g in groups]
         if kinds.count(SLIDING) > 1:
@@ -60,6 +61,9 @@ class KVManager:
                       if prefix_caching and self.full is not None else None)
         # Sliding-window snapshots need the window's blocks at a block-aligned position.
         self.snapshots = self.cache is not None and self.sliding is not None and bool(window)
+        # Snapshots inside long prompts too, every this many tokens (block-aligned; 0: none), so
+        # a hit between two replays from the nearest one, not from a window before it.
+        self.snapshot_interval = snapshot_interval // block_size * block_size
         self.replayed_tokens = 0
         self.snapshot_hits = 0  # hits that resumed the sliding layers from a snapshot
         self._evictable, self._evictable_at = 0, float("-inf")
@@ -251,17 +255,25 @@ class KVManager:
         self.cache.insert(tokens, req.tables[self.full])
         self._snapshot(req, tokens, computed // self.block_size * self.block_size)
 
-    def cache_prompt(self, req: Request) -> None:
-        """Called when a step computes the end of the request's prompt: cache its full blocks
-        and the sliding window at the last block boundary before the prompt's last token, the
-        longest hit the same prompt can make. (They are written in this step, before any later
-        step can read them.)"""
+    def cache_prefill(self, req: Request, start: int, end: int) -> None:
+        """Called when a step computes prompt tokens [start, end): cache the full blocks and a
+        sliding-window snapshot at every snapshot point it passes (each `snapshot_interval`
+        tokens) and, when it computes the prompt's end, at the last block boundary before the
+        prompt's last token, the longest hit the same prompt can make. (The blocks are written
+        in this step, before any later step can read them.)"""
         if not self.snapshots:
             return
-        end = (req.num_prompt - 1) // self.block_size * self.block_size
-        tokens = req.prompt_ids[:end]
-        self.cache.insert(tokens, req.tables[self.full])
-        self._snapshot(req, tokens, end)
+        last = (req.num_prompt - 1) // self.block_size * self.block_size
+        points = []
+        if self.snapshot_interval and req.window_exact:
+            step = self.snapshot_interval
+            points = list(range((start // step + 1) * step, min(end, last) + 1, step))
+        if start < req.num_prompt <= end and last not in points:
+            points.append(last)
+        for pos in points:
+            tokens = req.prompt_ids[:pos]
+            self.cache.insert(tokens, req.tables[self.full])
+            self._snapshot(req, tokens, pos)
 
     def _snapshot(self, req: Request, tokens, pos: int) -> None:
         """Keep the request's sliding blocks that a query at `pos` sees, when it still has

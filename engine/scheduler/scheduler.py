@@ -39,6 +39,7 @@ class SchedulerConfig:
     kv_groups: tuple[KVGroup, ...] = (KVGroup(FULL),)  # from the model's KV cache spec
     prefix_caching: bool = True
     swa_replay_tokens: int | None = None  # None: the window W
+    swa_snapshot_interval: int = 0  # window snapshots every this many prompt tokens (0: none)
     host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
     num_speculative_tokens: int = 0  # draft slots a decode may get (0: no speculation)
     speculative_disable_by_batch_size: int | None = None
@@ -60,7 +61,7 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
                             config.prefix_caching, config.swa_replay_tokens,
-                            config.host_blocks)
+                            config.host_blocks, config.swa_snapshot_interval)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -242,8 +243,8 @@ class Scheduler:
             seq = ScheduledSeq(req.request_id, token_ids, start,
                                [pack_ids(t) for t in req.tables], sample,
                                req.full_kv_from, req.window_from, draft_slots)
-            if start < req.num_prompt <= start + n:
-                self.kv.cache_prompt(req)  # the prompt's end is computed in this step
+            if start < req.num_prompt:
+                self.kv.cache_prefill(req, start, start + n)  # snapshots it passes
             req.num_computed += n
             req.num_pending += sample
             req.spec_in_flight = draft_slots > 0

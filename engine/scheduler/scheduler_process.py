@@ -46,6 +46,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         kv_groups=model.kv_cache_spec().groups(),
         prefix_caching=cfg.enable_prefix_caching,
         swa_replay_tokens=cfg.swa_replay_tokens(),
+        swa_snapshot_interval=cfg.swa_snapshot_tokens(),
         host_blocks=cfg.host_kv_blocks(),
         num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative_method else 0,
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,

@@ -59,7 +59,8 @@ def test_prefix_hit_is_identical_to_a_cold_run(tiny_model_dir):
 
 def test_hybrid_hit_replays_at_most_the_window(hybrid_dir):
     first, second = prompts(10 * W)  # a shared prefix of 10 W tokens
-    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4) as llm:
+    # No snapshots inside prompts: the hit at 10 W has none to resume from.
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_snapshot_interval=0) as llm:
         llm.generate([first], GREEDY)
         before = llm.stats().replayed_tokens
         out = llm.generate([second], GREEDY)[0]
@@ -70,7 +71,8 @@ def test_hybrid_hit_replays_at_most_the_window(hybrid_dir):
 
 def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
     first, second = prompts(10 * W, seed=1)
-    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_replay="exact") as llm:
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_replay="exact",
+             swa_snapshot_interval=0) as llm:
         llm.generate([first], GREEDY)
         out = llm.generate([second], GREEDY)[0]
         replayed = llm.stats().replayed_tokens
@@ -79,6 +81,24 @@ def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
     assert out.token_ids == ref.token_ids
     assert max(abs(x.chosen.logprob - y.chosen.logprob)
                for x, y in zip(out.logprobs, ref.logprobs)) < 1e-4
+
+
+@pytest.mark.parametrize("mode", ["window", "exact"])
+def test_hybrid_hit_between_snapshots_replays_from_the_nearest(hybrid_dir, mode):
+    """The first prompt leaves a snapshot every W tokens (the default interval); a second one
+    sharing 10 W + 6 tokens hits at 10 W + 4 and replays the 4 tokens since the snapshot at
+    10 W, in either mode, computing what a cold run does."""
+    first, second = prompts(10 * W + 6, seed=6)
+    with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_replay=mode) as llm:
+        llm.generate([first], GREEDY)
+        before = llm.stats()
+        out = llm.generate([second], GREEDY)[0]
+        after = llm.stats()
+    assert after.swa_snapshots >= 10  # one per window of the first prompt, at least
+    assert out.cached_tokens == 10 * W + 4
+    assert after.replayed_tokens - before.replayed_tokens == 4
+    assert after.swa_snapshot_hits == before.swa_snapshot_hits + 1
+    assert close_to(out, cold(hybrid_dir, second))
 
 
 def close_to(out, ref) -> bool:

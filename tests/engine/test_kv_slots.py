@@ -34,12 +34,14 @@ def random_config(rng: random.Random) -> SchedulerConfig:
     if window is not None and rng.random() < 0.4:
         replay = rng.randint(2, 3) * window  # "exact" mode: sliding layers x W
     spec = rng.choice([0, 0, rng.randint(1, 5)])
+    # Snapshots inside prompts: none, about every window, or every few blocks.
+    interval = rng.choice([0, window or 0, rng.randint(1, 4) * block_size])
     return SchedulerConfig(
         num_blocks=rng.randint(6, 40), block_size=block_size, max_num_seqs=rng.randint(1, 8),
         max_num_batched_tokens=rng.randint(4, 64), prefill_chunk_size=rng.randint(2, 32),
         context_len=rng.choice([64, 256]), eos_token_ids=(EOS,),
         kv_groups=tuple(KVGroup(g, window if g == SLIDING else None) for g in groups),
-        prefix_caching=caching, swa_replay_tokens=replay,
+        prefix_caching=caching, swa_replay_tokens=replay, swa_snapshot_interval=interval,
         host_blocks=host, num_speculative_tokens=spec,
         speculative_disable_by_batch_size=rng.choice([None, rng.randint(1, 4)]))
 
