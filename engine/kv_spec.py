@@ -13,19 +13,28 @@ import msgspec
 FULL = "full"  # every token's K and V, for the whole sequence
 SLIDING = "sliding"  # K and V of the last `window` tokens only
 
+# What one token holds (independent of how long it is kept, which the kind says):
+KV = "kv"  # a key and a value per KV head
+LATENT = "latent"  # MLA (DeepSeek): one compressed latent and one shared rotary key
+
 
 class LayerKVSpec(msgspec.Struct, frozen=True):
     kind: str
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # LATENT: the latent's width (kv_lora_rank)
     window: int | None = None  # SLIDING: how many tokens back a query sees (itself included)
+    entry: str = KV
+    rope_dim: int = 0  # LATENT: the shared rotary key's width
 
-    def entry_shape(self) -> tuple[int, int]:
-        """The shape one token occupies in each of the layer's K and V tensors."""
-        return (self.num_kv_heads, self.head_dim)
+    def entry_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The shape one token occupies in each of the layer's two cache tensors: K and V, or
+        (LATENT) the rotary key and the latent."""
+        if self.entry == LATENT:
+            return (1, self.rope_dim), (1, self.head_dim)
+        return (self.num_kv_heads, self.head_dim), (self.num_kv_heads, self.head_dim)
 
     def bytes_per_token(self, dtype_bytes: int) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * dtype_bytes
+        return sum(h * d for h, d in self.entry_shapes()) * dtype_bytes
 
 
 class KVGroup(msgspec.Struct, frozen=True):

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engine.kv_spec import FULL, SLIDING, KVCacheSpec, LayerKVSpec
+from engine.kv_spec import FULL, LATENT, SLIDING, KVCacheSpec, LayerKVSpec
 
 
 class ModelConfigError(ValueError):
@@ -54,6 +54,9 @@ def rope_parameters(cfg: dict, kind: str = FULL) -> dict[str, Any]:
         for key, value in scaling.items():
             params.setdefault(key, value)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
+    if "factor" in params:  # YaRN needs the pre-scaling context
+        params.setdefault("original_max_position_embeddings",
+                          cfg.get("max_position_embeddings", 4096))
     params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
 
@@ -62,19 +65,47 @@ def moe_fields(cfg: dict, model_type: str) -> dict[str, Any]:
     """Mixture-of-experts fields (none for a dense model). Qwen3-MoE may save its expert count
     as `num_local_experts` (Mixtral's name); Mixtral's experts take `intermediate_size` and its
     router always renormalizes the top-k weights."""
-    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    experts = (cfg.get("num_experts") or cfg.get("num_local_experts")
+               or cfg.get("n_routed_experts") or 0)
     if not experts:
         return {}
-    return dict(
+    moe_inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
+    fields = dict(
         num_experts=experts,
         num_experts_per_tok=cfg["num_experts_per_tok"],
-        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        moe_intermediate_size=moe_inter,
         norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
         decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
     )
+    if model_type in DEEPSEEK:
+        # Sigmoid scores with a correction bias, top-k within the best groups, scaled; the
+        # first layers dense; always-on shared experts without a gate.
+        fields.update(
+            router="grouped_sigmoid",
+            n_group=cfg.get("n_group") or 1,
+            topk_group=cfg.get("topk_group") or 1,
+            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
+            mlp_only_layers=tuple(range(cfg.get("first_k_dense_replace") or 0)),
+            shared_expert_intermediate_size=moe_inter * (cfg.get("n_shared_experts", 1) or 0),
+            shared_expert_gated=False,
+        )
+    return fields
+
+
+def mla_fields(cfg: dict) -> dict[str, Any]:
+    """Multi-head latent attention (DeepSeek-V2/V3): low-rank q, a compressed KV latent."""
+    return dict(
+        q_lora_rank=cfg.get("q_lora_rank") or 0,
+        kv_lora_rank=cfg["kv_lora_rank"],
+        qk_nope_head_dim=cfg["qk_nope_head_dim"],
+        qk_rope_head_dim=cfg["qk_rope_head_dim"],
+        v_head_dim=cfg["v_head_dim"],
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+    )
 GEMMA3 = ("gemma3", "gemma3_text")
+DEEPSEEK = ("deepseek_v3",)
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -108,7 +139,19 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     norm_topk_prob: bool = False  # renormalize the top-k router weights to sum to 1
     decoder_sparse_step: int = 1  # every n-th layer has experts ...
     mlp_only_layers: tuple[int, ...] = ()  # ... except these dense ones
-    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated always-on expert (0: none)
+    shared_expert_intermediate_size: int = 0  # always-on shared expert(s) (0: none)
+    shared_expert_gated: bool = True  # Qwen2-MoE gates it with a sigmoid; DeepSeek does not
+    router: str = "softmax"  # softmax top-k, or grouped_sigmoid (DeepSeek-V3)
+    n_group: int = 1  # grouped_sigmoid: experts fall into n_group groups ...
+    topk_group: int = 1  # ... of which the best topk_group are searched for the top k
+    routed_scaling_factor: float = 1.0  # routed experts' weights are multiplied by this
+    # Multi-head latent attention (DeepSeek); kv_lora_rank 0: ordinary attention.
+    q_lora_rank: int = 0  # 0: q is one projection; else down to this rank, normed, up
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False  # the checkpoint's rotary dims are interleaved pairs
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether this layer's MLP is a sparse MoE block (the HF rule) rather than dense."""
@@ -123,8 +166,17 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight) (Gemma: 1)
     final_logit_softcapping: float | None = None
 
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
+
     def kv_cache_spec(self) -> KVCacheSpec:
         """What each layer keeps per token in the paged KV cache (engine/kv_spec.py)."""
+        if self.mla:
+            return KVCacheSpec(tuple(
+                LayerKVSpec(kind, 1, self.kv_lora_rank, entry=LATENT,
+                            rope_dim=self.qk_rope_head_dim)
+                for kind in self.layer_kinds))
         return KVCacheSpec(tuple(
             LayerKVSpec(kind, self.num_kv_heads, self.head_dim,
                         self.sliding_window if kind == SLIDING else None)
@@ -148,6 +200,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         qkv_bias = cfg.get("qkv_bias", cfg.get("attention_bias", qwen2))
         gemma = model_type in GEMMA3
+        deepseek = model_type in DEEPSEEK
         if cfg.get("attn_logit_softcapping"):
             raise ModelConfigError("attention logit soft-capping is not supported")
         sliding_rope = rope_parameters(cfg, SLIDING) if SLIDING in kinds else None
@@ -160,7 +213,9 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            # MLA: the rotary part's width (what HF's rotary tables are built for).
+            head_dim=(cfg["qk_rope_head_dim"] if deepseek
+                      else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
@@ -182,6 +237,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             norm_offset=1.0 if gemma else 0.0,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
+            **(mla_fields(cfg) if deepseek else {}),
         )
 
 

@@ -26,7 +26,8 @@ def default_model_dir() -> Path:
 TINY_ARCHS = {"llama": ("Llama", "Llama"), "mistral": ("Mistral", "Mistral"),
               "qwen2": ("Qwen2", "Qwen2"), "qwen3": ("Qwen3", "Qwen3"),
               "qwen3_moe": ("Qwen3Moe", "Qwen3Moe"), "qwen2_moe": ("Qwen2Moe", "Qwen2Moe"),
-              "mixtral": ("Mixtral", "Mixtral"), "gemma3": ("Gemma3Text", "Gemma3")}
+              "mixtral": ("Mixtral", "Mixtral"), "gemma3": ("Gemma3Text", "Gemma3"),
+              "deepseek_v3": ("DeepseekV3", "DeepseekV3")}
 # 4 experts, top-2, 32 wide (Mixtral's experts take intermediate_size); dense Qwen MoE layers
 # keep the base intermediate_size.
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -34,6 +35,13 @@ MOE_DEFAULTS = {
     "qwen3_moe": _QWEN_MOE,
     "qwen2_moe": dict(_QWEN_MOE, shared_expert_intermediate_size=48),
     "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    # MLA (a q bottleneck, a 16-wide latent, 8 rope + 8 nope dims, 12-wide values), layer 0
+    # dense, then 8 routed experts in 4 groups (top-2 within the best 2 groups) + 1 shared.
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                        moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, tie_word_embeddings=False),
 }
 
 
@@ -73,6 +81,9 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(4.0)
+        for name, b in model.named_buffers():  # zero at init: the tests would prove little
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape) * 0.1)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     src = default_model_dir()

@@ -51,13 +51,14 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
+    skips = getattr(model, "skips_weight", None)  # weights that are someone else's (MTP)
     files = sorted(Path(model_dir).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model_dir}")
     for path in files:
         with safe_open(str(path), framework="pt") as f:
             for name in f.keys():
-                if "rotary_emb.inv_freq" in name:
+                if "rotary_emb.inv_freq" in name or (skips is not None and skips(name)):
                     continue
                 tensor = f.get_tensor(name)
                 loaded.add(_load_one(model, params, modules, name, tensor))

@@ -83,8 +83,9 @@ class ModelRunner:
 
     def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        shape = (blocks, self.block_size, *layer.entry_shape())
-        return torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+        k, v = layer.entry_shapes()
+        return (torch.zeros((blocks, self.block_size, *k), dtype=dtype),
+                torch.zeros((blocks, self.block_size, *v), dtype=dtype))
 
     def _copy_blocks(self, plan: StepPlan) -> None:
         """Host-tier copies, before the forward: swap-outs first, then swap-ins."""

@@ -35,6 +35,7 @@ VARIANTS = {
     "mixtral": ("mixtral", {}),
     "qwen2-moe": ("qwen2_moe", {}),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, sliding_window=8, num_key_value_heads=1)),
+    "deepseek-v3": ("deepseek_v3", {}),  # MLA: decodes attend in the latent space
 }
 
 

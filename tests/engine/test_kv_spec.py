@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.kv_spec import FULL, SLIDING, KVCacheSpec, KVGroup, LayerKVSpec
+from engine.kv_spec import FULL, LATENT, SLIDING, KVCacheSpec, KVGroup, LayerKVSpec
 from engine.model_config import ModelConfig
 
 
@@ -25,9 +25,27 @@ def test_groups_put_full_layers_first_then_the_window():
 
 def test_entry_shapes_and_bytes_follow_the_layers():
     spec = gemma_like().kv_cache_spec()
-    assert spec.layers[0].entry_shape() == (1, 16)
+    assert spec.layers[0].entry_shapes() == ((1, 16), (1, 16))
     assert spec.bytes_per_token(4) == 12 * 2 * 16 * 4
     assert spec.bytes_per_token(4, spec.layers_of(FULL)) == 2 * 2 * 16 * 4
+
+
+def test_mla_layers_keep_a_latent_and_a_rope_key_in_the_full_group():
+    """DeepSeek-V3: one 512-wide latent and one 64-wide rotary key per token and layer (not
+    128 heads x (192 + 128)); its layers are full-attention layers for the scheduler."""
+    cfg = ModelConfig.from_hf(dict(
+        model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], hidden_size=64,
+        intermediate_size=128, num_hidden_layers=3, num_attention_heads=128, vocab_size=100,
+        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, qk_nope_head_dim=128,
+        v_head_dim=128, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+        moe_intermediate_size=32, n_shared_experts=2))
+    spec = cfg.kv_cache_spec()
+    assert spec.layers[0].entry == LATENT
+    assert spec.layers[0].entry_shapes() == ((1, 64), (1, 512))
+    assert spec.bytes_per_token(2) == 3 * (512 + 64) * 2
+    assert [(g.kind, g.layers) for g in spec.groups()] == [(FULL, (0, 1, 2))]
+    assert cfg.mlp_only_layers == (0,) and cfg.is_moe_layer(1) and not cfg.is_moe_layer(0)
+    assert cfg.router == "grouped_sigmoid" and cfg.shared_expert_intermediate_size == 64
 
 
 def test_layers_with_other_windows_get_their_own_group():

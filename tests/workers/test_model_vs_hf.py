@@ -38,6 +38,15 @@ CONFIGS = {
     # experts in layers 1 and 3 only, a gated shared expert, top-k weights as routed
     "qwen2-moe-sparse-step": ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,
                                                 norm_topk_prob=False)),
+    # MLA with a q bottleneck, grouped sigmoid routing, a shared expert (tests/conftest.py)
+    "deepseek-v3": ("deepseek_v3", {}),
+    # one q projection, YaRN (softmax scale by mscale_all_dim), raw top-k weights, no rope
+    # interleave
+    "deepseek-v3-yarn-no-q-lora": ("deepseek_v3", dict(
+        q_lora_rank=None, norm_topk_prob=False, rope_interleave=False,
+        rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, mscale=1.0,
+                             mscale_all_dim=0.8, original_max_position_embeddings=16,
+                             beta_fast=32, beta_slow=1))),
 }
 
 

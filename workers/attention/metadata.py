@@ -43,6 +43,15 @@ class PrefillSeq:
     fresh: bool  # the chunk is the whole context: attend to this step's K/V directly
     key_from: int = 0
 
+    def mask(self, window: int | None) -> torch.Tensor:
+        """[n, ctx] True where a query may see a gathered key (causal, replay start, window)."""
+        q_pos = torch.arange(self.start_pos, self.ctx_len).unsqueeze(1)
+        key_pos = torch.arange(self.first_key, self.ctx_len).unsqueeze(0)
+        mask = (key_pos <= q_pos) & (key_pos >= self.key_from)
+        if window is not None:
+            mask &= key_pos > q_pos - window
+        return mask
+
 
 @dataclass
 class AttentionMetadata:

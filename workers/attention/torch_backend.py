@@ -46,13 +46,8 @@ class TorchAttention(AttentionBackend):
                 ctx = p.ctx_len - p.first_key
                 ks = gather_blocks(k_cache, p.blocks, 1)[:, :, :ctx]
                 vs = gather_blocks(v_cache, p.blocks, 1)[:, :, :ctx]
-                q_pos = torch.arange(p.start_pos, p.ctx_len).unsqueeze(1)
-                key_pos = torch.arange(p.first_key, p.ctx_len).unsqueeze(0)
-                mask = (key_pos <= q_pos) & (key_pos >= p.key_from)
-                if meta.window is not None:
-                    mask &= key_pos > q_pos - meta.window
-                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask, scale=scale,
-                                                   enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask(meta.window),
+                                                   scale=scale, enable_gqa=gqa)
             out[p.start: p.end] = o.squeeze(0).transpose(0, 1)
         return out
 

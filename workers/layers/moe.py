@@ -29,6 +29,27 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool
     return weights.to(logits.dtype), ids
 
 
+def route_grouped(logits: torch.Tensor, correction: torch.Tensor, top_k: int, n_group: int,
+                  topk_group: int, renormalize: bool, scaling: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3 routing: sigmoid scores; experts are chosen by score + correction bias,
+    only within the `topk_group` groups whose two best biased scores sum highest; their
+    weights are the unbiased scores (renormalized to sum to 1 when asked), times `scaling`."""
+    scores = torch.sigmoid(logits.float())
+    choice = scores + correction.float()
+    t, e = choice.shape
+    grouped = choice.view(t, n_group, e // n_group)
+    group_scores = grouped.topk(min(2, e // n_group), dim=-1)[0].sum(dim=-1)
+    groups = torch.topk(group_scores, topk_group, dim=-1, sorted=False)[1]
+    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+    choice = choice.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = torch.topk(choice, top_k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+    return (weights * scaling).to(logits.dtype), ids
+
+
 def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, native: bool
             ) -> torch.Tensor:
     """One expert's SwiGLU MLP over its rows; the weight-streaming kernel for decode-sized

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (HF "rotate half" layout) with default, linear and llama3 scaling."""
+"""Rotary position embeddings (HF "rotate half" layout) with default, linear, llama3 and YaRN
+scaling."""
 
 from __future__ import annotations
 
@@ -30,7 +31,41 @@ def inverse_frequencies(params: dict, rotary_dim: int) -> tuple[torch.Tensor, fl
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled), 1.0
+    if kind == "yarn":
+        return _yarn(params, rotary_dim, base)
     raise NotImplementedError(f"rope_type {kind!r} is not supported yet")
+
+
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn(params: dict, dim: int, base: float) -> tuple[torch.Tensor, float]:
+    """YaRN (DeepSeek-V3's long context): interpolated low frequencies, extrapolated high ones,
+    a linear ramp between, and cos/sin scaled by the attention factor."""
+    factor = float(params["factor"])
+    old_len = float(params["original_max_position_embeddings"])
+    attention = params.get("attention_factor")
+    if attention is None:
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = (yarn_mscale(factor, mscale) / yarn_mscale(factor, mscale_all)
+                     if mscale and mscale_all else yarn_mscale(factor))
+    fast, slow = params.get("beta_fast") or 32, params.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(fast), correction_dim(slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolate = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attention)
 
 
 class RotaryEmbedding(nn.Module):
@@ -53,7 +88,7 @@ class RotaryEmbedding(nn.Module):
                         ) -> None:
         """Rotate q [T, H, D] and k [T, KVH, D] in place at `positions`, then write k, v to
         the cache `slots` (-1: not written): one fused pass on CPU float32."""
-        native = (self.native and q.dtype == torch.float32
+        native = (self.native and q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]
                   and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
                   and (k_cache is None or (k_cache.is_contiguous() and v_cache.is_contiguous())))
         fn = cpu_fused.rope_store_kv if native else cpu_fused.rope_store_kv_ref

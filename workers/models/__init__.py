@@ -16,6 +16,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
     "Qwen3MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
     "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
+    "DeepseekV3ForCausalLM": "workers.models.deepseek_v3:DeepseekV3ForCausalLM",
 }
 
 

@@ -102,11 +102,13 @@ def dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class DecoderLayer(nn.Module):
+    attention_class: type[nn.Module] = Attention
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, group: int,
                  backend: AttentionBackend, mlp: nn.Module) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, group, backend)
+        self.self_attn = self.attention_class(cfg, rotary, group, backend)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = mlp
 
@@ -126,7 +128,7 @@ class DecoderLayer(nn.Module):
         """This layer as the one-call decode op reads it, or None when it does not fit the op
         (qk-norm, biases outside q/k/v, no native norm or attention, experts, ...)."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, MLP):
+        if not isinstance(mlp, MLP) or not isinstance(attn, Attention):
             return None
         norms = (self.input_layernorm, self.post_attention_layernorm)
         linears = [lin.weights() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
@@ -144,6 +146,8 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    layer_class: type[nn.Module] = DecoderLayer
+
     def __init__(self, cfg: ModelConfig, backend: AttentionBackend,
                  mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
@@ -152,7 +156,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         spec = cfg.kv_cache_spec()
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, spec.group_of(i), backend, mlp(cfg, i))
+            self.layer_class(cfg, rotary, spec.group_of(i), backend, mlp(cfg, i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
