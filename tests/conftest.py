@@ -102,3 +102,33 @@ def default_model() -> Path:
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A 3-layer, 64-wide random Llama that shares SmolLM2's tokenizer and chat template."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def add_mtp_weights(model_dir: Path, seed: int = 1) -> None:
+    """Give a tiny DeepSeek-V3 checkpoint one random MTP layer (HF drops them on save), named as
+    DeepSeek's checkpoints name it: `model.layers.{num_hidden_layers}.*`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    n, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    torch.manual_seed(seed)
+    layer = DeepseekV3DecoderLayer(cfg, n).float()
+    tensors = {}
+    for name, t in list(layer.state_dict().items()):
+        t = torch.randn(t.shape) * (0.1 if t.dim() > 1 else 0.02)
+        if name.endswith("layernorm.weight"):
+            t = 1.0 + t
+        tensors[name] = t
+    tensors.update({
+        "enorm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "hnorm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden),
+        "embed_tokens.weight": torch.randn(cfg.vocab_size, hidden),
+        "shared_head.norm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "shared_head.head.weight": 0.2 * torch.randn(cfg.vocab_size, hidden),
+    })
+    save_file({f"model.layers.{n}.{k}": v.contiguous() for k, v in tensors.items()},
+              str(model_dir / "model-mtp.safetensors"))

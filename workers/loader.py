@@ -22,11 +22,13 @@ EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$")
 
 
 def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "auto",
-               attention: AttentionBackend | None = None) -> nn.Module:
+               attention: AttentionBackend | None = None, cls: type | None = None
+               ) -> nn.Module:
     """The model with its weights, ready to run: packed, fused paths chosen. `weight_copies`:
-    which copies of each linear weight to keep on CPU (workers/layers/linear.py)."""
+    which copies of each linear weight to keep on CPU (workers/layers/linear.py); `cls`: another
+    module built from the same checkpoint (default: the architecture's model)."""
     cfg = ModelConfig.from_dir(model_dir)
-    cls = model_class(cfg.architecture)
+    cls = cls or model_class(cfg.architecture)
     torch_dtype = DTYPES[dtype]
     with torch.device("cpu"):
         model = cls(cfg, attention or select_backend("cpu", torch_dtype))

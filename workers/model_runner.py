@@ -28,7 +28,7 @@ from workers.kv_copy import copy_blocks
 from workers.loader import DTYPES, load_model
 from workers.sample.rejection import Verification, verify
 from workers.sample.sampler import Sampler, SamplingState
-from workers.spec_decode.base import Draft, DraftRequest, Proposer, StepInput
+from workers.spec_decode.base import Draft, DraftRequest, ObservedSeq, Proposer, StepInput
 from workers.spec_decode.factory import build_proposer
 from workers.step_batch import SeqRows, StepBatch, build_batch, resolve_inputs
 from workers.structured.compile_service import GrammarCompileService
@@ -149,6 +149,7 @@ class ModelRunner:
         hidden = self._run(batch)
         sampled = [r for r in batch.rows if r.seq.sample]
         if not sampled:
+            self._observe(batch, hidden, inputs)
             return StepResult(plan.step_id, b"", forward_ms=(time.perf_counter() - t0) * 1e3)
         # Logits only where a token is drawn: a seq's last row, or every row a draft is
         # verified at.
@@ -164,6 +165,7 @@ class ModelRunner:
         new = self._sample(logits, sampled)
         t2 = time.perf_counter()
         self._record(sampled, new, requests, hidden, index)
+        self._observe(batch, hidden, inputs)
         return self._result(plan, sampled, new, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
 
     def _constrain(self, logits: torch.Tensor, sampled: list[SeqRows]) -> None:
@@ -212,6 +214,30 @@ class ModelRunner:
                 self.proposer.verified(req, len(r.draft.tokens), len(tokens) - 1)
             if keep_hidden:  # the row whose logits produced the newest token
                 self.last_hidden[r.seq.request_id] = hidden[index[r.logit_row + len(tokens) - 1]]
+
+    def _observe(self, batch: StepBatch, hidden: torch.Tensor, inputs: list[StepInput]) -> None:
+        """Tell a proposer that follows the target's hidden states what each seq computed:
+        its input rows and the drafts it kept (after `_record`: the outputs are known)."""
+        if self.proposer is None or not self.proposer.observes:
+            return
+        seqs = []
+        for r, inp in zip(batch.rows, inputs):
+            state, start = r.state, r.seq.start_pos
+            known = len(state.prompt_ids) + len(state.output_ids)
+            kept = 0
+            if r.draft:  # the verified tokens after the input: kept drafts, then one more
+                kept = known - (start + len(r.tokens)) - 1
+            tokens = np.concatenate([r.tokens, np.asarray(r.draft.tokens[:kept], np.int32)]
+                                    ) if kept else r.tokens
+            end = start + len(tokens)
+            nxt = None
+            if end < known:
+                nxt = int(state.prompt_ids[end]) if end < len(state.prompt_ids) else int(
+                    state.output_ids[end - len(state.prompt_ids)])
+            seqs.append(ObservedSeq(r.seq.request_id, start, tokens, nxt,
+                                    hidden[r.first_row: r.first_row + len(tokens)],
+                                    inp.full_table, inp.full_kv_from))
+        self.proposer.observe(seqs)
 
     @staticmethod
     def _result(plan: StepPlan, sampled: list[SeqRows], new, forward_ms: float,

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
-from tests.conftest import save_tiny_model
+from tests.conftest import add_mtp_weights, save_tiny_model
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [100, 200, 300, 400], list(range(1000, 1030))]
@@ -150,3 +150,23 @@ def test_seeded_sampling_does_not_depend_on_the_batch(pair):
     together, stats = generate(target, PROMPTS, [mine, others, others], **spec)
     assert together[0].token_ids == alone[0].token_ids
     assert stats.spec_draft_tokens > 0
+
+
+def test_mtp_greedy_text_is_identical_under_chunking_and_preemption(tmp_path):
+    """DeepSeek-V3's MTP layer as the proposer (its drafts are checked against a reference MTP
+    layer in tests/workers/test_mtp.py); 40 blocks of 4 tokens cannot hold all six requests."""
+    model = save_tiny_model(tmp_path / "ds", "deepseek_v3")
+    add_mtp_weights(model)
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(3, 40000, size=n).tolist() for n in (3, 29, 12, 41, 7, 20)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = dict(num_kv_blocks=40, block_size=4, prefill_chunk_size=8,
+                  max_num_batched_tokens=16)
+    with LLM(str(model), **engine) as llm:
+        ref = llm.generate(prompts, params)
+    with LLM(str(model), speculative_method="mtp", num_speculative_tokens=2, **engine) as llm:
+        outs = llm.generate(prompts, params)
+        stats = llm.stats()
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+    assert stats.spec_draft_tokens > 0 and stats.num_preemptions > 0
+    assert stats.kv_blocks_free == stats.kv_blocks_total

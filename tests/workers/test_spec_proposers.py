@@ -58,3 +58,17 @@ def test_mtp_needs_mtp_layers(tiny_model_dir):
         assert "num_nextn_predict_layers" in str(exc)
     else:
         raise AssertionError("mtp accepted for a model without MTP layers")
+
+
+def test_mtp_needs_the_checkpoints_mtp_weights(tmp_path):
+    """HF drops MTP weights when it saves: such a checkpoint is refused in one line."""
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path / "ds", "deepseek_v3")
+    config = EngineConfig(model=str(model), speculative_method="mtp")
+    try:
+        build_proposer(config, None)
+    except ModelConfigError as exc:
+        assert "has no usable MTP weights (model.layers.3.*)" in str(exc)
+    else:
+        raise AssertionError("mtp accepted for a checkpoint without MTP weights")

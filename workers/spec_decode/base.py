@@ -9,7 +9,9 @@ them in the same forward (workers/sample/rejection.py). A proposer sees:
 - `DraftRequest`s: the speculating requests, with their sampling state (params, generator, the
   tokens so far) and, for proposers that ask (`needs_hidden_states`), the target's last hidden
   state: the one that produced the request's newest token.
-After verification it is told how many drafts each request kept (`verified`).
+After verification it is told how many drafts each request kept (`verified`); proposers that
+follow the target's hidden states at every position (`observes`: MTP) then see what the target
+computed for each seq (`observe`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.sample.sampler import SamplingState
+from workers.sample.sampler import Sampler, SamplingState, penalized, processed_probs
 
 
 @dataclass
@@ -48,6 +50,20 @@ class DraftRequest:
 
 
 @dataclass
+class ObservedSeq:
+    """What the target computed for one seq in a step: its valid rows (inputs, then the drafts
+    it kept) with their final hidden states."""
+
+    request_id: str
+    start: int  # position of the first row
+    tokens: np.ndarray
+    next_token: int | None  # the token after the last row (sampled, or the prompt's next)
+    hidden: torch.Tensor  # [len(tokens), hidden]
+    full_table: np.ndarray | None
+    full_kv_from: int  # rows below this position only replayed cached K/V
+
+
+@dataclass
 class Draft:
     tokens: list[int]
     # [len(tokens), vocab]: the distribution each draft was sampled from, processed like the
@@ -57,6 +73,7 @@ class Draft:
 
 class Proposer:
     needs_hidden_states = False
+    observes = False  # wants `observe` after every step
 
     def propose(self, step: list[StepInput], requests: list[DraftRequest]) -> list[Draft]:
         raise NotImplementedError
@@ -64,8 +81,35 @@ class Proposer:
     def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
         """The target kept the first `accepted` of the `proposed` drafts."""
 
+    def observe(self, seqs: list[ObservedSeq]) -> None:
+        """The step's seqs, after sampling (only when `observes`)."""
+
     def forget(self, request_ids: list[str]) -> None:
         """These requests are finished."""
 
     def copy_blocks(self, pairs: torch.Tensor, to_host: bool) -> None:
         """Host-tier copies of the proposer's own KV blocks, if it keeps any."""
+
+
+def extend_drafts(sampler: Sampler, requests: list[DraftRequest], drafts: list[Draft],
+                  logits: torch.Tensor) -> None:
+    """One more draft token per request from a proposer's logits, processed like the target's
+    distribution (penalties count the drafts so far as output); sampled drafts keep the
+    distribution they were drawn from (`Draft.probs`, a list until `finish_drafts`)."""
+    states = [r.state for r in requests]
+    scores = penalized(logits.float(), states, [d.tokens for d in drafts])
+    greedy = [s.params.is_greedy() for s in states]
+    probs = None if all(greedy) else processed_probs(scores, states, greedy)
+    for i, (state, draft) in enumerate(zip(states, drafts)):
+        if greedy[i]:
+            draft.tokens.append(int(scores[i].argmax()))
+            continue
+        draft.tokens.append(sampler.draw(state, probs[i]))
+        draft.probs.append(probs[i])
+
+
+def finish_drafts(drafts: list[Draft]) -> list[Draft]:
+    for d in drafts:
+        if d.probs is not None:
+            d.probs = torch.stack(d.probs) if d.probs else None
+    return drafts

@@ -21,8 +21,15 @@ from engine.model_config import FULL, ModelConfig, ModelConfigError
 from workers.attention import SeqSlice, select_backend
 from workers.kv_copy import copy_blocks
 from workers.loader import DTYPES, load_model
-from workers.sample.sampler import Sampler, SamplingState, penalized, processed_probs
-from workers.spec_decode.base import Draft, DraftRequest, Proposer, StepInput
+from workers.sample.sampler import Sampler, SamplingState
+from workers.spec_decode.base import (
+    Draft,
+    DraftRequest,
+    Proposer,
+    StepInput,
+    extend_drafts,
+    finish_drafts,
+)
 
 
 def check_vocabulary(draft_dir: str, target_dir: str) -> None:
@@ -73,17 +80,14 @@ class DraftModelProposer(Proposer):
             return []
         logits = self._logits(last_rows, [r.request_id for r in requests])
         drafts = [Draft([], None if r.state.params.is_greedy() else []) for r in requests]
-        self._extend(requests, drafts, logits)
+        extend_drafts(self.sampler, requests, drafts, logits)
         for i in range(1, max(r.max_drafts for r in requests)):
             live = [(r, d) for r, d in zip(requests, drafts) if len(d.tokens) < r.max_drafts]
             hidden = self._forward([(r.request_id, r.start + i, np.asarray([d.tokens[-1]]))
                                     for r, d in live])
-            self._extend([r for r, _ in live], [d for _, d in live],
-                         self.model.compute_logits(hidden)[:, : self.vocab_size])
-        for d in drafts:
-            if d.probs is not None:
-                d.probs = torch.stack(d.probs)
-        return drafts
+            extend_drafts(self.sampler, [r for r, _ in live], [d for _, d in live],
+                          self.model.compute_logits(hidden)[:, : self.vocab_size])
+        return finish_drafts(drafts)
 
     def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
         # It read its input token and drafts 1..proposed-1: valid as far as they were kept.
@@ -144,18 +148,3 @@ class DraftModelProposer(Proposer):
         pos = torch.from_numpy(np.concatenate(
             [np.arange(start, start + len(t)) for _, start, t in rows]).astype(np.int64))
         return self.model(ids, pos, self.kv, [meta])
-
-    def _extend(self, requests: list[DraftRequest], drafts: list[Draft],
-                logits: torch.Tensor) -> None:
-        """One more draft token per request from the draft's logits, processed like the
-        target's distribution (penalties count the drafts so far as output)."""
-        states = [r.state for r in requests]
-        scores = penalized(logits.float(), states, [d.tokens for d in drafts])
-        greedy = [s.params.is_greedy() for s in states]
-        probs = None if all(greedy) else processed_probs(scores, states, greedy)
-        for i, (state, draft) in enumerate(zip(states, drafts)):
-            if greedy[i]:
-                draft.tokens.append(int(scores[i].argmax()))
-                continue
-            draft.tokens.append(self.sampler.draw(state, probs[i]))
-            draft.probs.append(probs[i])

@@ -33,9 +33,9 @@ def build_proposer(config: EngineConfig, sampler: Sampler) -> Proposer | None:
             config.kv_blocks(), config.block_size, config.host_kv_blocks(),
             config.cpu_linear_weights, sampler)
     if method == "mtp":
-        layers = config.model_config().num_nextn_predict_layers
-        raise ModelConfigError(
-            "--speculative-method mtp needs the model's multi-token-prediction layers "
-            + ("(num_nextn_predict_layers is 0 for this model)" if not layers else
-               "and no architecture with MTP layers is supported yet"))
+        from workers.spec_decode.mtp import MtpProposer
+
+        return MtpProposer(config.resolved_model_dir(), config.dtype, config.kv_blocks(),
+                           config.block_size, config.host_kv_blocks(), config.cpu_linear_weights,
+                           sampler)
     raise ModelConfigError(f"unknown speculative method {method!r}")
