@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine.config import EngineConfig, ModelConfigError
@@ -52,12 +53,8 @@ def test_hidden_states_reach_the_proposer(tiny_model_dir):
 
 def test_mtp_needs_mtp_layers(tiny_model_dir):
     config = EngineConfig(model=str(tiny_model_dir), speculative_method="mtp")
-    try:
+    with pytest.raises(ModelConfigError, match="num_nextn_predict_layers > 0"):
         build_proposer(config, None)
-    except ModelConfigError as exc:
-        assert "num_nextn_predict_layers" in str(exc)
-    else:
-        raise AssertionError("mtp accepted for a model without MTP layers")
 
 
 def test_mtp_needs_the_checkpoints_mtp_weights(tmp_path):
@@ -66,9 +63,5 @@ def test_mtp_needs_the_checkpoints_mtp_weights(tmp_path):
 
     model = save_tiny_model(tmp_path / "ds", "deepseek_v3")
     config = EngineConfig(model=str(model), speculative_method="mtp")
-    try:
+    with pytest.raises(ModelConfigError, match=r"no usable MTP weights \(model\.layers\.3\."):
         build_proposer(config, None)
-    except ModelConfigError as exc:
-        assert "has no usable MTP weights (model.layers.3.*)" in str(exc)
-    else:
-        raise AssertionError("mtp accepted for a checkpoint without MTP weights")
