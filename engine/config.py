@@ -152,22 +152,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("swa_snapshot_interval must be >= 0")
         return self.swa_snapshot_interval
 
-    def kv_bytes_per_block(self, num_layers: int | None = None) -> int:
-        """Bytes of K and V for one block of `num_layers` layers (default: all of them)."""
-        spec = self.model_config().kv_cache_spec()
-        layers = None if num_layers is None else list(range(num_layers))
-        return spec.bytes_per_token(_DTYPE_BYTES[self.dtype], layers) * self.block_size
+    def kv_cache_spec(self):
+        return self.model_config().kv_cache_spec(self.block_size)
+
+    def kv_bytes_per_block(self, entries: list[int] | None = None) -> int:
+        """Bytes of one block of these cache entries (default: all of them)."""
+        spec = self.kv_cache_spec()
+        return spec.bytes_per_token(_DTYPE_BYTES[self.dtype], entries) * self.block_size
 
     def host_kv_blocks(self) -> int:
         """Host-tier blocks: they hold full-attention layers only."""
         if self.host_kv_cache_gb <= 0:
             return 0
-        model = self.model_config()
-        full_layers = len(model.kv_cache_spec().layers_of(FULL))
-        if not full_layers:
+        full = self.kv_cache_spec().layers_of(FULL)
+        if not full:
             return 0
-        return max(1, int(self.host_kv_cache_gb * (1 << 30))
-                   // self.kv_bytes_per_block(full_layers))
+        return max(1, int(self.host_kv_cache_gb * (1 << 30)) // self.kv_bytes_per_block(full))
 
     def kv_blocks(self) -> int:
         if self.num_kv_blocks is not None:

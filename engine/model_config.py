@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engine.kv_spec import FULL, LATENT, SLIDING, KVCacheSpec, LayerKVSpec
+from engine.kv_spec import FULL, LATENT, SLIDING, VECTOR, KVCacheSpec, LayerKVSpec
 
 
 class ModelConfigError(ValueError):
@@ -54,10 +54,10 @@ def rope_parameters(cfg: dict, kind: str = FULL) -> dict[str, Any]:
         for key, value in scaling.items():
             params.setdefault(key, value)
     params.setdefault("rope_theta", cfg.get("rope_theta", 10000.0))
-    if "factor" in params:  # YaRN needs the pre-scaling context
+    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
+    if params["rope_type"] == "yarn":  # it needs the pre-scaling context
         params.setdefault("original_max_position_embeddings",
                           cfg.get("max_position_embeddings", 4096))
-    params["rope_type"] = params.get("rope_type") or params.get("type") or "default"
     return params
 
 
@@ -80,10 +80,11 @@ def moe_fields(cfg: dict, model_type: str) -> dict[str, Any]:
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
     )
     if model_type in DEEPSEEK:
-        # Sigmoid scores with a correction bias, top-k within the best groups, scaled; the
-        # first layers dense; always-on shared experts without a gate.
+        # V3: sigmoid scores with a correction bias, top-k within the best groups, scaled; the
+        # first layers dense; always-on shared experts without a gate. V4: no groups, its own
+        # scoring function and hash-routed layers (workers/models/deepseek_v4.py).
         fields.update(
-            router="grouped_sigmoid",
+            router="grouped_sigmoid" if model_type == "deepseek_v3" else "v4",
             n_group=cfg.get("n_group") or 1,
             topk_group=cfg.get("topk_group") or 1,
             routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
@@ -104,8 +105,83 @@ def mla_fields(cfg: dict) -> dict[str, Any]:
         v_head_dim=cfg["v_head_dim"],
         rope_interleave=bool(cfg.get("rope_interleave", True)),
     )
+class CompressedAttention(msgspec.Struct, frozen=True, kw_only=True):
+    """DeepSeek-V4's attention and residual settings (every layer: a sliding window of K = V
+    entries; CSA layers add compressed entries picked per query by an indexer, HCA layers
+    heavily compressed ones)."""
+
+    attention: tuple[str, ...]  # per layer: "sliding", "csa" or "hca"
+    window: int  # the attention window of every layer
+    csa_rate: int
+    hca_rate: int
+    rope_dim: int  # trailing dims of each head that get (interleaved) RoPE
+    rope_main: dict[str, Any]  # sliding-only layers
+    rope_compress: dict[str, Any]  # CSA / HCA layers and their compressors
+    o_groups: int
+    o_lora_rank: int
+    index_heads: int
+    index_head_dim: int
+    index_topk: int
+    hc_mult: int
+    hc_sinkhorn_iters: int
+    hc_eps: float
+    hash_layers: tuple[int, ...]  # MoE layers whose experts a token-id table picks
+    scoring_func: str
+    swiglu_limit: float
+
+    def source_window(self) -> int:
+        """Tokens each layer's sliding entries must keep: the attention window, and what the
+        compressors still need of their inputs (two CSA windows, one HCA window)."""
+        need = [self.window]
+        need += [2 * self.csa_rate] if "csa" in self.attention else []
+        need += [self.hca_rate] if "hca" in self.attention else []
+        return max(need)
+
+
+_V4_ATTENTION = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa",
+                 "heavily_compressed_attention": "hca"}
+
+
+def compressed_attention(cfg: dict) -> CompressedAttention:
+    rates = cfg.get("compress_rates") or {}
+    rope = cfg.get("rope_parameters") or {}
+    head_dim = cfg["head_dim"]
+    rope_dim = int(head_dim * (cfg.get("partial_rotary_factor") or 64 / 512))
+
+    def params(kind: str, theta: float) -> dict[str, Any]:
+        p = dict(rope.get(kind) or {"rope_type": "default", "rope_theta": theta})
+        p["rope_type"] = p.get("rope_type") or p.get("type") or "default"
+        if p["rope_type"] == "yarn":
+            p.setdefault("original_max_position_embeddings",
+                         cfg.get("max_position_embeddings", 4096))
+        return p
+
+    n = cfg["num_hidden_layers"]
+    mlp = cfg.get("mlp_layer_types") or (["hash_moe"] * 3 + ["moe"] * n)[:n]
+    return CompressedAttention(
+        attention=tuple(_V4_ATTENTION[t] for t in cfg["layer_types"]),
+        window=cfg["sliding_window"],
+        csa_rate=rates.get("compressed_sparse_attention", 4),
+        hca_rate=rates.get("heavily_compressed_attention", 128),
+        rope_dim=rope_dim,
+        rope_main=params("main", cfg.get("rope_theta", 10000.0)),
+        rope_compress=params("compress", cfg.get("compress_rope_theta", 160000.0)),
+        o_groups=cfg["o_groups"],
+        o_lora_rank=cfg["o_lora_rank"],
+        index_heads=cfg["index_n_heads"],
+        index_head_dim=cfg["index_head_dim"],
+        index_topk=cfg["index_topk"],
+        hc_mult=cfg["hc_mult"],
+        hc_sinkhorn_iters=cfg["hc_sinkhorn_iters"],
+        hc_eps=float(cfg["hc_eps"]),
+        hash_layers=tuple(i for i, t in enumerate(mlp) if t == "hash_moe"),
+        scoring_func=cfg.get("scoring_func", "sqrtsoftplus"),
+        swiglu_limit=float(cfg.get("swiglu_limit") or 0.0),
+    )
+
+
 GEMMA3 = ("gemma3", "gemma3_text")
-DEEPSEEK = ("deepseek_v3",)
+DEEPSEEK = ("deepseek_v3", "deepseek_v4")
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -152,6 +228,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False  # the checkpoint's rotary dims are interleaved pairs
+    compressed: CompressedAttention | None = None  # DeepSeek-V4
 
     def is_moe_layer(self, layer: int) -> bool:
         """Whether this layer's MLP is a sparse MoE block (the HF rule) rather than dense."""
@@ -170,8 +247,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """What each layer keeps per token in the paged KV cache (engine/kv_spec.py)."""
+    def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
+        """What each layer keeps per token in the paged KV cache (engine/kv_spec.py). Only
+        DeepSeek-V4's compressed entries depend on the block size (their width per slot)."""
+        if self.compressed is not None:
+            return KVCacheSpec(v4_cache_entries(self, block_size))
         if self.mla:
             return KVCacheSpec(tuple(
                 LayerKVSpec(kind, 1, self.kv_lora_rank, entry=LATENT,
@@ -200,7 +280,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
         qwen2 = model_type in ("qwen2", "qwen2_moe")
         qkv_bias = cfg.get("qkv_bias", cfg.get("attention_bias", qwen2))
         gemma = model_type in GEMMA3
-        deepseek = model_type in DEEPSEEK
+        compressed = compressed_attention(cfg) if model_type == "deepseek_v4" else None
+        window = cfg.get("sliding_window") if SLIDING in kinds else None
+        if compressed is not None:  # every layer has a window (and keeps its inputs in it)
+            kinds, window = (SLIDING,) * len(kinds), compressed.source_window()
         if cfg.get("attn_logit_softcapping"):
             raise ModelConfigError("attention logit soft-capping is not supported")
         sliding_rope = rope_parameters(cfg, SLIDING) if SLIDING in kinds else None
@@ -209,12 +292,12 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
+            intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             # MLA: the rotary part's width (what HF's rotary tables are built for).
-            head_dim=(cfg["qk_rope_head_dim"] if deepseek
+            head_dim=(cfg["qk_rope_head_dim"] if model_type == "deepseek_v3"
                       else cfg.get("head_dim") or cfg["hidden_size"] // heads),
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
@@ -228,7 +311,7 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             rope=full_rope,
             eos_token_ids=eos_ids,
             layer_kinds=kinds,
-            sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
+            sliding_window=window,
             num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
             **moe_fields(cfg, model_type),
             rope_sliding=sliding_rope if sliding_rope != full_rope else None,
@@ -237,8 +320,44 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             norm_offset=1.0 if gemma else 0.0,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            **(mla_fields(cfg) if deepseek else {}),
+            **(mla_fields(cfg) if model_type == "deepseek_v3" else {}),
+            compressed=compressed,
         )
+
+
+def v4_cache_entries(cfg: ModelConfig, block_size: int) -> tuple[LayerKVSpec, ...]:
+    """DeepSeek-V4's entries per layer. Sliding ones (the same window W, the most any of them
+    needs): the K = V window and the compressors' per-token inputs (kv | gate). Full ones: the
+    compressed entries and indexer keys, one per window of `rate` tokens, stored spread over the
+    last min(rate, block) token slots of their window, so an entry always lies in the block
+    where its window ends (a prefix hit never shares a block whose entry is still open)."""
+    c, d = cfg.compressed, cfg.head_dim
+    w = c.source_window()
+    entries = []
+    for rate in ([c.csa_rate] if "csa" in c.attention else []) + (
+            [c.hca_rate] if "hca" in c.attention else []):
+        if max(rate, block_size) % min(rate, block_size):
+            raise ModelConfigError(f"the block size ({block_size}) and the compression rate "
+                                   f"({rate}) must divide one another")
+
+    def slot(width: int, rate: int) -> int:  # an entry's floats per token slot
+        return width // min(rate, block_size)
+
+    def add(layer: int, name: str, kind: str, width: int) -> None:
+        entries.append(LayerKVSpec(kind, 1, width, w if kind == SLIDING else None, VECTOR,
+                                   layer=layer, name=name))
+
+    for i, kind in enumerate(c.attention):
+        add(i, "window", SLIDING, d)
+        if kind == "csa":
+            add(i, "source", SLIDING, 4 * d)  # kv and gate of the two overlapping series
+            add(i, "compressed", FULL, slot(d, c.csa_rate))
+            add(i, "index_source", SLIDING, 4 * c.index_head_dim)
+            add(i, "index_keys", FULL, slot(c.index_head_dim, c.csa_rate))
+        elif kind == "hca":
+            add(i, "source", SLIDING, 2 * d)
+            add(i, "compressed", FULL, slot(d, c.hca_rate))
+    return tuple(entries)
 
 
 @functools.lru_cache(maxsize=8)

@@ -43,8 +43,7 @@ class ModelRunner:
         self.attention = select_backend("cpu", dtype)
         self.model = load_model(config.resolved_model_dir(), config.dtype,
                                 config.cpu_linear_weights, self.attention)
-        info = config.model_config()
-        spec = info.kv_cache_spec()
+        spec = config.kv_cache_spec()
         self.groups = [g.kind for g in spec.groups()]
         self.windows = [g.window for g in spec.groups()]
         self.block_size = config.block_size

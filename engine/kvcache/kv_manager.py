@@ -47,7 +47,7 @@ class KVManager:
         self.replay_tokens = replay_tokens if replay_tokens is not None else (window or 0)
         # What a replay must cover to be exact, whatever the mode: each sliding layer's window
         # depends on the previous layer's window before it.
-        self.exact_replay = max(1, len(sliding.layers)) * window if sliding else 0
+        self.exact_replay = max(1, sliding.depth or len(sliding.layers)) * window if sliding else 0
         self.groups = kinds
         self.window = window
         self.allocators = [BlockAllocator(num_blocks, block_size) for _ in groups]

@@ -17,8 +17,8 @@ def gemma_like() -> ModelConfig:
 
 def test_groups_put_full_layers_first_then_the_window():
     spec = gemma_like().kv_cache_spec()
-    assert spec.groups() == (KVGroup(FULL, None, (5, 11)),
-                             KVGroup(SLIDING, 32, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)))
+    assert spec.groups() == (KVGroup(FULL, None, (5, 11), 2),
+                             KVGroup(SLIDING, 32, (0, 1, 2, 3, 4, 6, 7, 8, 9, 10), 10))
     assert [spec.group_of(i) for i in (0, 5, 6, 11)] == [1, 0, 1, 0]
     assert spec.layers_of(FULL) == [5, 11]
 

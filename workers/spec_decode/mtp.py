@@ -131,7 +131,7 @@ class MtpProposer(Proposer):
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.sampler = sampler
-        k, v = cfg.kv_cache_spec().layers[0].entry_shapes()
+        k, v = cfg.kv_cache_spec(block_size).layers[0].entry_shapes()
 
         def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (torch.zeros((blocks, block_size, *k), dtype=torch_dtype),
