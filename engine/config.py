@@ -12,6 +12,7 @@ from pathlib import Path
 import msgspec
 
 from engine import envs
+from engine.kv_spec import KVCacheSpec
 from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
@@ -152,8 +153,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("swa_snapshot_interval must be >= 0")
         return self.swa_snapshot_interval
 
-    def kv_cache_spec(self):
-        return self.model_config().kv_cache_spec(self.block_size)
+    def kv_cache_spec(self) -> KVCacheSpec:
+        model = self.model_config()
+        if model.compressed is not None:
+            model.compressed.check_block_size(self.block_size)
+        return model.kv_cache_spec(self.block_size)
 
     def kv_bytes_per_block(self, entries: list[int] | None = None) -> int:
         """Bytes of one block of these cache entries (default: all of them)."""

@@ -129,6 +129,16 @@ class CompressedAttention(msgspec.Struct, frozen=True, kw_only=True):
     scoring_func: str
     swiglu_limit: float
 
+    def check_block_size(self, block_size: int) -> None:
+        """Compressed entries lie in the block where their window ends: the block size and
+        each compression rate must divide one another."""
+        rates = ([self.csa_rate] if "csa" in self.attention else []) + (
+            [self.hca_rate] if "hca" in self.attention else [])
+        for rate in rates:
+            if max(rate, block_size) % min(rate, block_size):
+                raise ModelConfigError(f"--block-size {block_size} and the compression rate "
+                                       f"{rate} must divide one another")
+
     def source_window(self) -> int:
         """Tokens each layer's sliding entries must keep: the attention window, and what the
         compressors still need of their inputs (two CSA windows, one HCA window)."""
@@ -320,7 +330,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
             norm_offset=1.0 if gemma else 0.0,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            **(mla_fields(cfg) if model_type == "deepseek_v3" else {}),
+            **(mla_fields(cfg) if model_type == "deepseek_v3" else
+               {"q_lora_rank": cfg["q_lora_rank"]} if compressed is not None else {}),
             compressed=compressed,
         )
 
@@ -334,12 +345,6 @@ def v4_cache_entries(cfg: ModelConfig, block_size: int) -> tuple[LayerKVSpec, ..
     c, d = cfg.compressed, cfg.head_dim
     w = c.source_window()
     entries = []
-    for rate in ([c.csa_rate] if "csa" in c.attention else []) + (
-            [c.hca_rate] if "hca" in c.attention else []):
-        if max(rate, block_size) % min(rate, block_size):
-            raise ModelConfigError(f"the block size ({block_size}) and the compression rate "
-                                   f"({rate}) must divide one another")
-
     def slot(width: int, rate: int) -> int:  # an entry's floats per token slot
         return width // min(rate, block_size)
 

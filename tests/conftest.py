@@ -27,7 +27,8 @@ TINY_ARCHS = {"llama": ("Llama", "Llama"), "mistral": ("Mistral", "Mistral"),
               "qwen2": ("Qwen2", "Qwen2"), "qwen3": ("Qwen3", "Qwen3"),
               "qwen3_moe": ("Qwen3Moe", "Qwen3Moe"), "qwen2_moe": ("Qwen2Moe", "Qwen2Moe"),
               "mixtral": ("Mixtral", "Mixtral"), "gemma3": ("Gemma3Text", "Gemma3"),
-              "deepseek_v3": ("DeepseekV3", "DeepseekV3")}
+              "deepseek_v3": ("DeepseekV3", "DeepseekV3"),
+              "deepseek_v4": ("DeepseekV4", "DeepseekV4")}
 # 4 experts, top-2, 32 wide (Mixtral's experts take intermediate_size); dense Qwen MoE layers
 # keep the base intermediate_size.
 _QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
@@ -42,6 +43,22 @@ MOE_DEFAULTS = {
                         n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
                         moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
                         routed_scaling_factor=2.5, tie_word_embeddings=False),
+    # A window of 8; CSA every 2 tokens (3 picked by the indexer) and HCA every 8, small
+    # rates so that every path runs in a short prompt; 8 index heads, so that a tie at zero
+    # (every head's ReLU 0) rarely decides a pick; 2 residual streams; one hash-routed
+    # MoE layer; 8 experts, top 2 (intermediate_size is V4's expert width).
+    "deepseek_v4": dict(num_key_value_heads=1, head_dim=32, q_lora_rank=24, intermediate_size=16,
+                        n_routed_experts=8, num_experts_per_tok=2, sliding_window=8,
+                        o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
+                        index_topk=3, partial_rotary_factor=0.25, hc_mult=2,
+                        compress_rates={"compressed_sparse_attention": 2,
+                                        "heavily_compressed_attention": 8},
+                        num_hidden_layers=4,
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                        tie_word_embeddings=False),
 }
 
 
@@ -81,9 +98,15 @@ def save_tiny_model(out: Path, arch: str = "llama", **overrides) -> Path:
         for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(4.0)
-        for name, b in model.named_buffers():  # zero at init: the tests would prove little
+        # Zero at init (real values come from checkpoints): the tests would prove little.
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
             if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn(b.shape) * 0.1)
+                t.copy_(torch.randn(t.shape) * 0.1)
+            elif name.endswith(("sinks", "position_bias")):
+                t.copy_(torch.randn(t.shape))
+            elif name.endswith("tid2eid"):  # each token's experts, distinct
+                t.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[: t.shape[1]]
+                                     for _ in range(t.shape[0])]))
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
     src = default_model_dir()

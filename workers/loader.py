@@ -73,6 +73,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
 
 
 def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
+    rename = getattr(model, "rename_weight", None)  # a model whose checkpoints name it their way
+    if rename is not None:
+        name = rename(name)
     for old, new in model.checkpoint_renames.items():
         name = name.replace(old, new)
     expert = EXPERT_WEIGHT.match(name)

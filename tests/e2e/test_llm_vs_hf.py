@@ -36,6 +36,8 @@ VARIANTS = {
     "qwen2-moe": ("qwen2_moe", {}),
     "gemma3": ("gemma3", dict(num_hidden_layers=6, sliding_window=8, num_key_value_heads=1)),
     "deepseek-v3": ("deepseek_v3", {}),  # MLA: decodes attend in the latent space
+    # sliding, CSA and HCA layers; preempted requests resume from compressed entries + replay
+    "deepseek-v4": ("deepseek_v4", {}),
 }
 
 

@@ -1,9 +1,11 @@
 """Prefix caching through the real processes, against cold runs of the same engine config.
 
 Contract (README, "Prefix caching and sliding windows"): full-attention models reuse cached KV
-exactly; hybrid sliding-window models resume from a window snapshot where a cached prompt or
-answer ended (no replay, identical to a cold run), else replay W tokens by default (bounded,
-approximate) or sliding_layers * W tokens with swa_replay="exact" (identical to a cold run).
+exactly; hybrid sliding-window models (DeepSeek-V4 among them: its compressed entries are reused
+exactly, its windows and the compressors' open groups are rebuilt) resume from a window snapshot
+where a cached prompt or answer ended or nearest before the hit (identical to a cold run), else
+replay W tokens by default (bounded, approximate) or sliding_layers * W tokens with
+swa_replay="exact" (identical to a cold run).
 """
 
 from __future__ import annotations
@@ -19,13 +21,29 @@ GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprob
 W = 8
 
 
-@pytest.fixture(scope="module")
-def hybrid_dir(tmp_path_factory):
-    return save_tiny_model(
-        tmp_path_factory.mktemp("hybrid"), "qwen3", num_hidden_layers=4, sliding_window=W,
-        use_sliding_window=True,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention",
-                     "full_attention"])
+# Models with sliding windows, and how many layers an exact rebuild of the windows spans:
+# a Qwen3 hybrid (two sliding layers of four), and DeepSeek-V4 (every layer has a window of W =
+# 8 and keeps its compressors' inputs in it; its CSA and HCA entries are full-attention entries,
+# reused exactly).
+HYBRIDS = {"qwen3-hybrid": 2, "deepseek-v4": 4}
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
+def hybrid(request, tmp_path_factory):
+    if request.param == "deepseek-v4":
+        model = save_tiny_model(tmp_path_factory.mktemp("v4"), "deepseek_v4")
+    else:
+        model = save_tiny_model(
+            tmp_path_factory.mktemp("hybrid"), "qwen3", num_hidden_layers=4, sliding_window=W,
+            use_sliding_window=True,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                         "full_attention"])
+    return model, HYBRIDS[request.param]
+
+
+@pytest.fixture
+def hybrid_dir(hybrid):
+    return hybrid[0]
 
 
 def prompts(shared: int, seed: int = 0) -> tuple[list[int], list[int]]:
@@ -69,14 +87,15 @@ def test_hybrid_hit_replays_at_most_the_window(hybrid_dir):
     assert 0 < replayed <= -(-W // 4) * 4  # W rounded up to a block
 
 
-def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid_dir):
+def test_hybrid_exact_replay_is_identical_to_a_cold_run(hybrid):
+    hybrid_dir, sliding_layers = hybrid
     first, second = prompts(10 * W, seed=1)
     with LLM(str(hybrid_dir), num_kv_blocks=200, block_size=4, swa_replay="exact",
              swa_snapshot_interval=0) as llm:
         llm.generate([first], GREEDY)
         out = llm.generate([second], GREEDY)[0]
         replayed = llm.stats().replayed_tokens
-    assert out.cached_tokens == 10 * W and replayed == 2 * W  # two sliding layers
+    assert out.cached_tokens == 10 * W and replayed == sliding_layers * W
     ref = cold(hybrid_dir, second)
     assert out.token_ids == ref.token_ids
     assert max(abs(x.chosen.logprob - y.chosen.logprob)

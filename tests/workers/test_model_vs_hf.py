@@ -38,6 +38,9 @@ CONFIGS = {
     # experts in layers 1 and 3 only, a gated shared expert, top-k weights as routed
     "qwen2-moe-sparse-step": ("qwen2_moe", dict(num_hidden_layers=4, decoder_sparse_step=2,
                                                 norm_topk_prob=False)),
+    # sliding, CSA (with its indexer) and HCA layers, chunks across compression groups, hyper-
+    # connections, hash and top-k routing (tests/conftest.py)
+    "deepseek-v4": ("deepseek_v4", {}),
     # MLA with a q bottleneck, grouped sigmoid routing, a shared expert (tests/conftest.py)
     "deepseek-v3": ("deepseek_v3", {}),
     # one q projection, YaRN (softmax scale by mscale_all_dim), raw top-k weights, no rope

@@ -63,6 +63,9 @@ class AttentionMetadata:
     # Visible keys of each decode row, [lo, hi) relative to its first gathered key.
     decode_lo: torch.Tensor | None = None
     decode_hi: torch.Tensor | None = None
+    # What it was built from, for models that walk their seqs themselves (DeepSeek-V4).
+    seqs: list[SeqSlice] | None = None
+    block_size: int = 0
 
     def decode_mask(self, num_keys: int) -> torch.Tensor:
         """[B, 1, 1, num_keys] True where a key is visible (the gather + SDPA fallback)."""
@@ -98,7 +101,8 @@ class AttentionMetadata:
                                            first_block * block_size, end, s.start, fresh,
                                            s.key_from))
             row += s.num_tokens
-        meta = cls(torch.from_numpy(np.concatenate(slot_parts)), None, None, prefills, window)
+        meta = cls(torch.from_numpy(np.concatenate(slot_parts)), None, None, prefills, window,
+                   seqs=seqs, block_size=block_size)
         if dec_rows:
             width = max(len(t) for t in dec_tables)
             padded = np.zeros((len(dec_tables), width), dtype=np.int64)

@@ -109,3 +109,12 @@ class MergedLinear(Linear):
         offset, size = self.parts[part]
         target = self.bias if is_bias else self.weight
         target.data[offset: offset + size].copy_(tensor)
+
+
+class PlainWeight(nn.Module):
+    """A projection a model reads as a matrix and never calls (e.g. to absorb it into another
+    product): kept as loaded, never packed or dropped by `finalize`."""
+
+    def __init__(self, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)

@@ -50,10 +50,18 @@ def route_grouped(logits: torch.Tensor, correction: torch.Tensor, top_k: int, n_
     return (weights * scaling).to(logits.dtype), ids
 
 
-def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, native: bool
-            ) -> torch.Tensor:
+def clamped_swiglu(gate_up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit) (DeepSeek-V4's experts)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, native: bool,
+            limit: float | None = None) -> torch.Tensor:
     """One expert's SwiGLU MLP over its rows; the weight-streaming kernel for decode-sized
     row counts, a GEMM above."""
+    if limit:
+        return F.linear(clamped_swiglu(F.linear(x, gate_up), limit), down)
     if native and x.shape[0] <= SMALL_M:
         return cpu_linear.linear_small_m(
             cpu_fused.silu_and_mul(cpu_linear.linear_small_m(x, gate_up)), down)
@@ -63,10 +71,11 @@ def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, native: 
 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, native: bool = False
-                  ) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, native: bool = False,
+                  limit: float | None = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H],
-    down [E, H, I], weights / ids [T, k]. `native`: the CPU float32 kernels take the weights."""
+    down [E, H, I], weights / ids [T, k]. `native`: the CPU float32 kernels take the weights;
+    `limit`: the clamped SwiGLU."""
     k = ids.shape[1]
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
@@ -77,7 +86,8 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     start = 0
     for e, n in enumerate(counts):
         if n:
-            ys[start:start + n] = _expert(xs[start:start + n], gate_up[e], down[e], native)
+            ys[start:start + n] = _expert(xs[start:start + n], gate_up[e], down[e], native,
+                                          limit)
             start += n
     ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
     return torch.zeros_like(x).index_add_(0, tokens, ys)
@@ -87,9 +97,11 @@ class FusedExperts(nn.Module):
     """A layer's experts; checkpoints fill them whole (HF's fused 3D tensors, by name) or one
     expert's projection at a time (`load_expert`)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 swiglu_limit: float | None = None) -> None:
         super().__init__()
         self.intermediate = intermediate
+        self.swiglu_limit = swiglu_limit
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
@@ -116,4 +128,4 @@ class FusedExperts(nn.Module):
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
         return fused_experts(x, self.gate_up_proj.data, self.down_proj.data, weights, ids,
-                             self._native)
+                             self._native, self.swiglu_limit)

@@ -17,6 +17,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
     "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
     "DeepseekV3ForCausalLM": "workers.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM": "workers.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 

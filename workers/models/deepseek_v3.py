@@ -22,7 +22,7 @@ from torch import nn
 from engine.model_config import ModelConfig
 from workers.attention import AttentionBackend, AttentionMetadata
 from workers.attention.mla import mla_attention
-from workers.layers.linear import Linear
+from workers.layers.linear import Linear, PlainWeight
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding, yarn_mscale
 from workers.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
@@ -37,14 +37,6 @@ def deinterleave(weight: torch.Tensor, offset: int, width: int, stride: int) -> 
     order = torch.cat([torch.arange(0, width, 2), torch.arange(1, width, 2)])
     view = weight.view(-1, stride, *weight.shape[1:])
     view[:, offset: offset + width] = view[:, offset: offset + width][:, order]
-
-
-class Weight(nn.Module):
-    """A projection the attention reads as a matrix and never calls: kept plain, never packed."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
 
 
 class MLAttention(nn.Module):
@@ -66,7 +58,7 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(cfg.hidden_size, heads * qk)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, self.latent + self.rope, bias=bias)
         self.kv_a_layernorm = RMSNorm(self.latent)
-        self.kv_b_proj = Weight(self.latent, heads * (self.nope + self.v_head_dim))
+        self.kv_b_proj = PlainWeight(self.latent, heads * (self.nope + self.v_head_dim))
         self.o_proj = Linear(heads * self.v_head_dim, cfg.hidden_size, bias=bias)
         self.rotary = rotary
         self.scale = qk ** -0.5
