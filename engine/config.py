@@ -20,6 +20,8 @@ __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
+                                 "Qwen3ForCausalLM")
 # More drafts than this are almost never accepted and make every verify step wider.
 MAX_SPECULATIVE_TOKENS = 16
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -117,6 +119,33 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(timeout > 0, f"--grammar-compile-timeout must be positive, got {timeout:g}")
         _require(self.grammar_max_bytes >= 1,
                  f"--grammar-max-bytes must be at least 1, got {self.grammar_max_bytes}")
+
+    def check_parallel(self) -> None:
+        """Raise ModelConfigError, naming the flag, when the model cannot be split as asked.
+
+        Tensor parallelism shards the Llama family (Llama, Mistral, Qwen2, Qwen3): attention
+        heads, the MLP's intermediate size and the vocabulary split evenly; KV heads split, or
+        are replicated when there are fewer of them than ranks."""
+        world = self.tensor_parallel_size
+        _require(world >= 1, f"--tensor-parallel-size must be at least 1, got {world}")
+        if world == 1:
+            return
+        model = self.model_config()
+        flag = f"--tensor-parallel-size {world}"
+        _require(model.architecture in TENSOR_PARALLEL_ARCHITECTURES and not model.num_experts,
+                 f"{flag}: tensor parallelism supports {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}"
+                 f" so far, not {model.architecture}")
+        for what, size in (("attention heads", model.num_heads),
+                           ("intermediate size", model.intermediate_size),
+                           ("vocabulary size", model.vocab_size)):
+            _require(size % world == 0, f"{flag}: the model's {what} ({size}) does not split "
+                                        f"over {world} ranks")
+        kv = model.num_kv_heads
+        _require(kv % world == 0 if kv >= world else world % kv == 0,
+                 f"{flag}: the model's {kv} KV heads cannot be split or replicated over "
+                 f"{world} ranks")
+        _require(self.speculative_method is None,
+                 f"{flag}: speculative decoding with tensor parallelism is not supported yet")
 
     def model_config(self) -> ModelConfig:
         """The model's config (parsed once per process); ModelConfigError if unusable."""

@@ -97,6 +97,9 @@ def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
             return name
         raise ValueError(f"unexpected checkpoint weight {name}")
     param = params[name]
+    shard = getattr(param, "shard", None)  # tensor parallelism: this rank's part only
+    if shard is not None:
+        tensor = tensor.narrow(*shard)
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
     param.data.copy_(tensor)

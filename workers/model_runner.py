@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.kv_spec import FULL, LayerKVSpec
+from engine.kv_spec import FULL, KV, LayerKVSpec
 from engine.protocol import (
     CompileGrammar,
     SampledLogprobs,
@@ -24,6 +24,7 @@ from engine.protocol import (
     unpack_ids,
 )
 from workers.attention import select_backend
+from workers.distributed.parallel_state import tp
 from workers.kv_copy import copy_blocks
 from workers.loader import DTYPES, load_model
 from workers.sample.rejection import Verification, verify
@@ -49,6 +50,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = config.kv_blocks()
         # One (K, V) pair per layer, shaped by its spec; a slot is block * block_size + offset.
+        self.tp = tp()  # tensor parallelism: this rank holds its share of the KV heads
         self.kv_caches = [self._kv_pair(self.num_blocks, layer, dtype) for layer in spec.layers]
         # Host tier (prefix-cache blocks evicted from the device), full-attention layers only.
         host_blocks = config.host_kv_blocks()
@@ -83,6 +85,9 @@ class ModelRunner:
     def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = layer.entry_shapes()
+        if layer.entry == KV and self.tp.world > 1:
+            heads = max(1, layer.num_kv_heads // self.tp.world)
+            k, v = (heads, k[1]), (heads, v[1])
         return (torch.zeros((blocks, self.block_size, *k), dtype=dtype),
                 torch.zeros((blocks, self.block_size, *v), dtype=dtype))
 
@@ -159,13 +164,39 @@ class ModelRunner:
                                                                else 0))
             r.logit_row = first
         logits = self.model.compute_logits(hidden[torch.tensor(index)])
-        self._constrain(logits, sampled)
         t1 = time.perf_counter()
-        new = self._sample(logits, sampled)
+        if self.tp.rank == 0:  # samples; the other ranks take its tokens
+            self._constrain(logits, sampled)
+            new = self._sample(logits, sampled)
+        else:
+            new = []
+        new = self._share_sampled(new, len(sampled))
         t2 = time.perf_counter()
         self._record(sampled, new, requests, hidden, index)
         self._observe(batch, hidden, inputs)
         return self._result(plan, sampled, new, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+
+    def _share_sampled(self, new: list, count: int) -> list:
+        """Tensor parallelism: rank 0's new tokens per sampled seq, on every rank (their
+        request states, overlap placeholders and grammar matchers follow it)."""
+        if self.tp.world == 1:
+            return new
+        if self.tp.rank == 0:
+            data = torch.tensor([len(t) for t, _ in new] + [x for t, _ in new for x in t],
+                                dtype=torch.int64)
+            size = torch.tensor([len(data)], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.tp.broadcast(size)
+        if self.tp.rank == 0:
+            self.tp.broadcast(data)
+            return new
+        data = self.tp.broadcast(torch.empty(int(size), dtype=torch.int64)).tolist()
+        out, pos = [], count
+        for n in data[:count]:
+            out.append((data[pos: pos + n], [None] * n))
+            pos += n
+        return out
 
     def _constrain(self, logits: torch.Tensor, sampled: list[SeqRows]) -> None:
         """Structured output: tokens the grammar forbids get -inf, on the rows of constrained

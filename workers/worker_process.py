@@ -1,7 +1,8 @@
 """The worker actor: loads the model and KV cache, then runs every StepPlan it is sent.
 
 Its loop is plain blocking ZeroMQ: a worker does one thing at a time and must not share its
-cores with an event loop. Only rank 0 answers the scheduler.
+cores with an event loop. With tensor parallelism every rank runs every plan on its shard of the
+model (torch.distributed between them); only rank 0 answers the scheduler.
 """
 
 from __future__ import annotations
@@ -30,9 +31,11 @@ def _threads(ctx: ChildContext) -> int:
 
 
 def main(ctx: ChildContext) -> None:
+    from workers.distributed.parallel_state import init_tensor_parallel
     from workers.model_runner import ModelRunner
 
     torch.set_num_threads(_threads(ctx))
+    init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init)
     runner = ModelRunner(ctx.config)
     inbound = pull(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None

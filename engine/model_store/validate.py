@@ -62,6 +62,7 @@ def ensure_config(config: EngineConfig) -> EngineConfig:
     config.check_speculative()
     config.check_structured()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))
+    config.check_parallel()
     if config.speculative_method == "draft":
         config = msgspec.structs.replace(
             config, speculative_model=_draft_model_dir(config.speculative_model))

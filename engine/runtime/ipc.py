@@ -16,6 +16,7 @@ class Endpoints(msgspec.Struct, frozen=True):
     scheduler_in: str  # tokenizer and worker rank 0 -> scheduler
     control: str  # children -> launcher (ready / failed)
     workers_in: tuple[str, ...]  # scheduler -> each worker rank
+    dist_init: str = ""  # the worker ranks' torch.distributed rendezvous
 
     @classmethod
     def create(cls, num_workers: int) -> Endpoints:
@@ -29,6 +30,7 @@ class Endpoints(msgspec.Struct, frozen=True):
             scheduler_in=ep("scheduler"),
             control=ep("control"),
             workers_in=tuple(ep(f"worker{r}") for r in range(num_workers)),
+            dist_init=f"file://{root}/torch-distributed",
         )
 
     def remove(self) -> None:

@@ -97,9 +97,13 @@ class MergedLinear(Linear):
     The loader fills each part by name through `load_part`.
     """
 
-    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False) -> None:
+    def __init__(self, in_features: int, parts: dict[str, int], bias: bool = False,
+                 sources: dict[str, int] | None = None) -> None:
+        """`parts`: each projection's rows here; `sources`: where they start in the
+        checkpoint's tensor (tensor parallelism: this rank's shard; default 0)."""
         super().__init__(in_features, sum(parts.values()), bias)
         self.parts: dict[str, tuple[int, int]] = {}
+        self.sources = sources or {}
         offset = 0
         for name, size in parts.items():
             self.parts[name] = (offset, size)
@@ -108,6 +112,7 @@ class MergedLinear(Linear):
     def load_part(self, part: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
         offset, size = self.parts[part]
         target = self.bias if is_bias else self.weight
+        tensor = tensor.narrow(0, self.sources.get(part, 0), size)
         target.data[offset: offset + size].copy_(tensor)
 
 
@@ -118,3 +123,29 @@ class PlainWeight(nn.Module):
     def __init__(self, in_features: int, out_features: int) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+
+
+def shard_on_load(param: torch.Tensor, dim: int, start: int, size: int) -> None:
+    """The loader copies only [start, start + size) of the checkpoint's tensor along `dim` into
+    `param` (a tensor-parallel shard)."""
+    param.shard = (dim, start, size)
+
+
+class RowParallelLinear(Linear):
+    """A linear whose input features are split over the tensor-parallel ranks: each computes
+    its partial product, then one all-reduce sums them (the bias counts once: rank 0's)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        from workers.distributed.parallel_state import tp
+
+        self.tp = tp()
+        start, size = self.tp.shard(in_features, "input features")
+        super().__init__(size, out_features, bias)
+        shard_on_load(self.weight, 1, start, size)
+
+    def after_load(self) -> None:
+        if self.bias is not None and self.tp.rank:
+            self.bias.data.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(super().forward(x))

@@ -19,9 +19,11 @@ from kernels.cpu import decode_layer as cpu_decode_layer
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu.decode_layer import DecodeLayerWeights
 from workers.attention import AttentionBackend, AttentionMetadata
-from workers.layers.linear import SMALL_M, Linear, MergedLinear
+from workers.distributed.parallel_state import tp
+from workers.layers.linear import SMALL_M, MergedLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 # checkpoint name fragment -> (fused module fragment, part)
 STACKED_PARAMS = {
@@ -39,13 +41,19 @@ class Attention(nn.Module):
         super().__init__()
         self.group = group  # which KV group's metadata (block tables, window) this layer uses
         self.backend = backend
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        # Tensor parallelism: this rank's heads; KV heads are split too, or replicated when
+        # there are fewer of them than ranks (each rank keeps the one its query heads read).
+        rank, world = tp().rank, tp().world
+        self.num_heads = cfg.num_heads // world
+        self.num_kv_heads = max(1, cfg.num_kv_heads // world)
+        self.head_dim = d = cfg.head_dim
+        kv_start = (rank * self.num_kv_heads if cfg.num_kv_heads >= world
+                    else rank * cfg.num_kv_heads // world)
+        q, kv = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv},
-                                     bias=cfg.qkv_bias)
-        self.o_proj = Linear(q, cfg.hidden_size, bias=cfg.o_proj_bias)
+                                     bias=cfg.qkv_bias,
+                                     sources={"q": rank * q, "k": kv_start * d, "v": kv_start * d})
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
@@ -73,8 +81,10 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
         hidden, inter = cfg.hidden_size, intermediate_size or cfg.intermediate_size
-        self.gate_up_proj = MergedLinear(hidden, {"gate": inter, "up": inter}, bias=cfg.mlp_bias)
-        self.down_proj = Linear(inter, hidden, bias=cfg.mlp_bias)
+        start, part = tp().shard(inter, "intermediate size")  # this rank's columns
+        self.gate_up_proj = MergedLinear(hidden, {"gate": part, "up": part}, bias=cfg.mlp_bias,
+                                         sources={"gate": start, "up": start})
+        self.down_proj = RowParallelLinear(inter, hidden, bias=cfg.mlp_bias)
         if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ModelConfigError(f"MLP activation {cfg.hidden_act!r} is not supported")
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
@@ -128,8 +138,8 @@ class DecoderLayer(nn.Module):
         """This layer as the one-call decode op reads it, or None when it does not fit the op
         (qk-norm, biases outside q/k/v, no native norm or attention, experts, ...)."""
         attn, mlp = self.self_attn, self.mlp
-        if not isinstance(mlp, MLP) or not isinstance(attn, Attention):
-            return None
+        if not isinstance(mlp, MLP) or not isinstance(attn, Attention) or tp().world > 1:
+            return None  # (the one-call layer has no all-reduce inside)
         norms = (self.input_layernorm, self.post_attention_layernorm)
         linears = [lin.weights() for lin in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj,
                                              mlp.down_proj)]
@@ -152,8 +162,7 @@ class LlamaModel(nn.Module):
                  mlp: MLPFactory = dense_mlp) -> None:
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         spec = cfg.kv_cache_spec()
         self.layers = nn.ModuleList(
             self.layer_class(cfg, rotary, spec.group_of(i), backend, mlp(cfg, i))
@@ -211,7 +220,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.model = self.model_class(cfg, backend, self.build_mlp)
         self.tie_word_embeddings = cfg.tie_word_embeddings
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head = ParallelLMHead(cfg.hidden_size, cfg.vocab_size)
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]
                 ) -> torch.Tensor:

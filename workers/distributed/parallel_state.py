@@ -1,0 +1,62 @@
+"""Tensor-parallel state of this worker: its rank, the world size and the torch.distributed
+group the ranks share (gloo on CPU, NCCL on CUDA).
+
+The launcher starts one worker per rank and hands each its rank and the group's rendezvous
+(a file in the engine's private socket directory on one host). Model layers read `tp()` when
+they are built, to size and load only their shard; `tp()` is rank 0 of 1 when nothing was set
+up, so single-worker code never branches on it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelState:
+    rank: int = 0
+    world: int = 1
+
+    def shard(self, size: int, what: str = "dimension") -> tuple[int, int]:
+        """(start, size) of this rank's equal part of `size`."""
+        if size % self.world:
+            raise ValueError(f"{what} ({size}) does not split over {self.world} ranks")
+        part = size // self.world
+        return self.rank * part, part
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        if self.world == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x.contiguous())
+        return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor, src: int = 0) -> torch.Tensor:
+        if self.world > 1:
+            dist.broadcast(x, src)
+        return x
+
+
+_STATE = ParallelState()
+
+
+def tp() -> ParallelState:
+    return _STATE
+
+
+def init_tensor_parallel(rank: int, world: int, init_method: str) -> ParallelState:
+    """Join the workers' group (once per process)."""
+    global _STATE
+    if world > 1:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
+    _STATE = ParallelState(rank, world)
+    return _STATE
