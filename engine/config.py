@@ -123,9 +123,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def check_parallel(self) -> None:
         """Raise ModelConfigError, naming the flag, when the model cannot be split as asked.
 
-        Tensor parallelism shards the Llama family (Llama, Mistral, Qwen2, Qwen3): attention
-        heads, the MLP's intermediate size and the vocabulary split evenly; KV heads split, or
-        are replicated when there are fewer of them than ranks."""
+        Tensor parallelism shards the Llama family (Llama, Mistral, Qwen2, Qwen3): KV heads
+        split as evenly as their count allows, each with its query heads (or, with fewer KV
+        heads than ranks, query heads split evenly and each rank's KV head replicated); the
+        MLP's intermediate size and the vocabulary split evenly."""
         world = self.tensor_parallel_size
         _require(world >= 1, f"--tensor-parallel-size must be at least 1, got {world}")
         if world == 1:
@@ -135,15 +136,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(model.architecture in TENSOR_PARALLEL_ARCHITECTURES and not model.num_experts,
                  f"{flag}: tensor parallelism supports {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}"
                  f" so far, not {model.architecture}")
-        for what, size in (("attention heads", model.num_heads),
-                           ("intermediate size", model.intermediate_size),
-                           ("vocabulary size", model.vocab_size)):
+        kv = model.num_kv_heads
+        split = [("intermediate size", model.intermediate_size),
+                 ("vocabulary size", model.vocab_size)]
+        if kv < world:
+            split.insert(0, ("attention heads", model.num_heads))
+            _require(world % kv == 0, f"{flag}: the model's {kv} KV heads cannot be "
+                                      f"replicated evenly over {world} ranks")
+        for what, size in split:
             _require(size % world == 0, f"{flag}: the model's {what} ({size}) does not split "
                                         f"over {world} ranks")
-        kv = model.num_kv_heads
-        _require(kv % world == 0 if kv >= world else world % kv == 0,
-                 f"{flag}: the model's {kv} KV heads cannot be split or replicated over "
-                 f"{world} ranks")
         _require(self.speculative_method is None,
                  f"{flag}: speculative decoding with tensor parallelism is not supported yet")
 

@@ -86,7 +86,7 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         k, v = layer.entry_shapes()
         if layer.entry == KV and self.tp.world > 1:
-            heads = max(1, layer.num_kv_heads // self.tp.world)
+            heads = self.tp.kv_heads(layer.num_kv_heads)[1]
             k, v = (heads, k[1]), (heads, v[1])
         return (torch.zeros((blocks, self.block_size, *k), dtype=dtype),
                 torch.zeros((blocks, self.block_size, *v), dtype=dtype))

@@ -15,6 +15,9 @@ VARIANTS = {
     "qwen3-qk-norm-untied": ("qwen3", dict(num_key_value_heads=2, tie_word_embeddings=False)),
     "llama-one-kv-head": ("llama", dict(num_key_value_heads=1)),  # replicated on both ranks
     "qwen2-biases": ("qwen2", dict(num_key_value_heads=2)),
+    # 9 heads in 3 KV groups, as the default model (SmolLM2-135M): 2 groups on rank 0, 1 on rank 1
+    "llama-uneven-groups": ("llama", dict(hidden_size=72, num_attention_heads=9,
+                                          num_key_value_heads=3)),
 }
 
 
@@ -45,6 +48,6 @@ def test_models_that_cannot_split_are_refused_in_one_line(tmp_path):
     with pytest.raises(ModelConfigError, match="tensor parallelism supports"):
         ensure_config(EngineConfig(model=str(moe), tensor_parallel_size=2))
     odd = save_tiny_model(tmp_path / "odd", "llama", num_attention_heads=3, num_key_value_heads=1,
-                          hidden_size=48)
+                          hidden_size=48)  # one KV head: query heads must split evenly
     with pytest.raises(ModelConfigError, match=r"attention heads \(3\) does not split"):
         ensure_config(EngineConfig(model=str(odd), tensor_parallel_size=2))

@@ -27,6 +27,15 @@ class ParallelState:
         part = size // self.world
         return self.rank * part, part
 
+    def kv_heads(self, num_kv_heads: int) -> tuple[int, int]:
+        """(first, count) of the KV heads this rank keeps: as even a split as the count allows
+        (the first ranks take one more), or, with fewer KV heads than ranks, the one head its
+        query heads read (replicated)."""
+        if num_kv_heads < self.world:
+            return self.rank * num_kv_heads // self.world, 1
+        base, extra = divmod(num_kv_heads, self.world)
+        return self.rank * base + min(self.rank, extra), base + (self.rank < extra)
+
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.world > 1:
             dist.all_reduce(x)

@@ -135,11 +135,13 @@ class RowParallelLinear(Linear):
     """A linear whose input features are split over the tensor-parallel ranks: each computes
     its partial product, then one all-reduce sums them (the bias counts once: rank 0's)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 shard: tuple[int, int] | None = None) -> None:
+        """`shard`: (start, size) of this rank's input features (default: an equal part)."""
         from workers.distributed.parallel_state import tp
 
         self.tp = tp()
-        start, size = self.tp.shard(in_features, "input features")
+        start, size = shard or self.tp.shard(in_features, "input features")
         super().__init__(size, out_features, bias)
         shard_on_load(self.weight, 1, start, size)
 

@@ -41,19 +41,23 @@ class Attention(nn.Module):
         super().__init__()
         self.group = group  # which KV group's metadata (block tables, window) this layer uses
         self.backend = backend
-        # Tensor parallelism: this rank's heads; KV heads are split too, or replicated when
-        # there are fewer of them than ranks (each rank keeps the one its query heads read).
-        rank, world = tp().rank, tp().world
-        self.num_heads = cfg.num_heads // world
-        self.num_kv_heads = max(1, cfg.num_kv_heads // world)
+        # Tensor parallelism: this rank's KV heads (split as evenly as their count allows, or
+        # one replicated when there are fewer than ranks) and the query heads that read them.
+        state = tp()
+        kv_start, self.num_kv_heads = state.kv_heads(cfg.num_kv_heads)
+        if cfg.num_kv_heads >= state.world:
+            group = cfg.num_heads // cfg.num_kv_heads
+            q_start, self.num_heads = kv_start * group, self.num_kv_heads * group
+        else:
+            q_start, self.num_heads = state.shard(cfg.num_heads, "attention heads")
         self.head_dim = d = cfg.head_dim
-        kv_start = (rank * self.num_kv_heads if cfg.num_kv_heads >= world
-                    else rank * cfg.num_kv_heads // world)
         q, kv = self.num_heads * d, self.num_kv_heads * d
         self.qkv_proj = MergedLinear(cfg.hidden_size, {"q": q, "k": kv, "v": kv},
                                      bias=cfg.qkv_bias,
-                                     sources={"q": rank * q, "k": kv_start * d, "v": kv_start * d})
-        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias)
+                                     sources={"q": q_start * d, "k": kv_start * d,
+                                              "v": kv_start * d})
+        self.o_proj = RowParallelLinear(cfg.num_heads * d, cfg.hidden_size, bias=cfg.o_proj_bias,
+                                        shard=(q_start * d, q))
         self.qk_norm = cfg.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps, cfg.norm_offset)
