@@ -19,6 +19,7 @@ from engine.config import (
     ModelConfigError,
 )
 from engine.runtime.launcher import EngineStartupError
+from frontend.router.policy import POLICIES
 
 # (flag, type, help); unset flags keep EngineConfig's defaults.
 _ENGINE_ARGS = [
@@ -86,12 +87,42 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, **engine_kwargs(args))
 
 
+def _replica_args(args: argparse.Namespace, model: str) -> list[str]:
+    """`deepinfer serve` flags for one data-parallel replica: the engine's, as given."""
+    out = ["--model", model, "--max-pending", str(args.max_pending), "--log-level",
+           args.log_level]
+    switches = {f[2:].replace("-", "_") for f, _ in _ENGINE_SWITCHES}
+    for name, value in engine_kwargs(args).items():
+        flag = "--" + name.replace("_", "-")
+        if name in switches:
+            out.append(flag if value else f"--no-{flag[2:]}")
+        elif name != "worker_threads":
+            out += [flag, str(value)]
+    return out
+
+
 def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
     config = model_store.ensure_config(engine_config(args))
+    if args.data_parallel_size > 1:
+        from frontend.router.policy import Policy
+        from frontend.router.server import serve_data_parallel
+
+        return serve_data_parallel(_replica_args(args, config.model), args.data_parallel_size,
+                                   args.host, args.port, Policy(args.policy),
+                                   config.worker_threads)
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log)
+
+
+def _router(args: argparse.Namespace) -> int:
+    from frontend.router.policy import Policy
+    from frontend.router.server import run_router
+
+    policy = Policy(args.policy, args.cache_threshold, args.balance_abs_threshold)
+    return run_router(args.worker, args.host, args.port, policy, args.health_interval,
+                      args.log_level)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -140,7 +171,32 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine requests in flight before new ones get 503")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--access-log", action="store_true")
+    serve.add_argument("--data-parallel-size", type=int, default=1,
+                       help="replicas of the whole engine, each on its own local port, behind "
+                            "a router on --port (default 1: no router)")
+    serve.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                       help="with --data-parallel-size: how the router places requests")
     serve.set_defaults(func=_serve)
+
+    router = sub.add_parser("router", help="route requests over running `deepinfer serve` "
+                                           "replicas (data parallelism)")
+    router.add_argument("--host", default="127.0.0.1")
+    router.add_argument("--port", type=int, default=8000)
+    router.add_argument("--worker", action="append", required=True, metavar="URL",
+                        help="a replica's base URL (http://host:port); repeat for each")
+    router.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                        help="cache_aware (default): the replica holding the longest cached "
+                             "prefix unless the load is out of balance; round_robin; least_load")
+    router.add_argument("--cache-threshold", type=float, default=0.5,
+                        help="cache_aware: the share of the prompt a replica's cached prefix "
+                             "must cover to win (default 0.5)")
+    router.add_argument("--balance-abs-threshold", type=int, default=8,
+                        help="cache_aware: in-flight requests between the busiest and the "
+                             "idlest replica past which the idlest gets the request (default 8)")
+    router.add_argument("--health-interval", type=float, default=1.0,
+                        help="seconds between health checks of each replica")
+    router.add_argument("--log-level", default="info")
+    router.set_defaults(func=_router)
 
     gen = sub.add_parser("generate", help="generate once, offline, and print the text")
     _add_engine_args(gen)

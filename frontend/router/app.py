@@ -1,0 +1,211 @@
+"""The data-parallel router: one OpenAI-compatible endpoint in front of N `deepinfer serve`
+replicas.
+
+Each completion or chat request goes to the replica the policy picks (frontend/router/policy.py)
+and its response passes through unchanged, streamed or not. A replica that cannot be reached, or
+that answers 5xx before the client has received a byte, is skipped and the request retried on
+another one; a stream that breaks after its first bytes ends with an error event. A background
+task polls every replica's /health; failing ones leave the rotation until they answer again.
+/metrics shows placement and load per replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import AsyncIterator
+
+import aiohttp
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from frontend.router.policy import Policy, Replica
+
+log = logging.getLogger("deepinfer.router")
+# Hop-by-hop and length headers are the router's own business, not the replica's.
+_DROP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
+
+
+def routing_text(path: str, payload: object) -> str:
+    """What a request's cached prefix is judged on: the prompt, or the chat messages."""
+    if not isinstance(payload, dict):
+        return ""
+    if path.endswith("chat/completions"):
+        messages = payload.get("messages")
+        return json.dumps(messages, sort_keys=True, ensure_ascii=False)[:-1] if messages else ""
+    prompt = payload.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "router_error", "code": status}},
+                        status_code=status)
+
+
+class Router:
+    def __init__(self, urls: list[str], policy: Policy, health_interval: float = 1.0) -> None:
+        self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.policy = policy
+        self.health_interval = health_interval
+        self.session: aiohttp.ClientSession | None = None
+        self.registry = CollectorRegistry()
+        self.placed = Counter("deepinfer_router_requests", "requests placed on each replica",
+                              ["replica"], registry=self.registry)
+        self.prefix_placed = Gauge(
+            "deepinfer_router_prefix_hits_total",
+            "requests placed on a replica for its cached prefix (cache_aware)", ["replica"],
+            registry=self.registry)
+        self.retries = Counter("deepinfer_router_retries", "requests retried on another replica",
+                               registry=self.registry)
+        self.failed = Counter("deepinfer_router_failed", "requests that no replica completed",
+                              registry=self.registry)
+        self.in_flight = Gauge("deepinfer_router_in_flight", "requests in flight per replica",
+                               ["replica"], registry=self.registry)
+        self.healthy = Gauge("deepinfer_router_replica_healthy", "1 while a replica is in rotation",
+                             ["replica"], registry=self.registry)
+
+    # ------------------------------------------------------------------ health
+
+    async def check_health(self) -> None:
+        async def one(r: Replica) -> None:
+            try:
+                async with self.session.get(f"{r.url}/health",
+                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    ok = resp.status == 200
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                ok = False
+            if ok != r.healthy:
+                log.warning("replica %s %s", r.url, "is back" if ok else "left the rotation")
+            r.healthy = ok
+
+        await asyncio.gather(*(one(r) for r in self.replicas))
+
+    async def health_loop(self) -> None:
+        while True:
+            await self.check_health()
+            await asyncio.sleep(self.health_interval)
+
+    # ------------------------------------------------------------------ proxy
+
+    async def proxy(self, request: Request) -> Response:
+        path = request.url.path
+        body = await request.body()
+        try:
+            payload = json.loads(body)
+        except ValueError:
+            payload = None  # a replica answers it with its own 400
+        text = routing_text(path, payload)
+        stream = isinstance(payload, dict) and bool(payload.get("stream"))
+        headers = {k: v for k, v in request.headers.items()
+                   if k.lower() in ("content-type", "authorization", "accept")}
+        tried: set[str] = set()
+        while True:
+            candidates = [r for r in self.replicas if r.healthy and r.url not in tried]
+            replica = self.policy.choose(text, candidates)
+            if replica is None:
+                self.failed.inc()
+                return error(503, "no replica could take the request" if tried
+                             else "no healthy replica")
+            tried.add(replica.url)
+            self.placed.labels(replica.url).inc()
+            response = await self._forward(replica, path, body, headers, stream)
+            if response is not None:
+                return response
+            self.retries.inc()
+
+    async def _forward(self, replica: Replica, path: str, body: bytes, headers: dict,
+                       stream: bool) -> Response | None:
+        """The replica's response, or None when it failed before the client got anything."""
+        replica.in_flight += 1
+        self.in_flight.labels(replica.url).set(replica.in_flight)
+        resp = None
+        try:
+            resp = await self.session.post(f"{replica.url}{path}", data=body, headers=headers)
+            if resp.status >= 500:
+                log.warning("replica %s answered %d: retrying elsewhere", replica.url,
+                            resp.status)
+                resp.release()
+                return self._done(replica)
+            out_headers = {k: v for k, v in resp.headers.items() if k.lower() not in _DROP}
+            if not stream:
+                content = await resp.read()
+                self._done(replica)
+                return Response(content, resp.status, out_headers)
+            first = await resp.content.readany()
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            log.warning("replica %s failed (%s): retrying elsewhere", replica.url, exc)
+            replica.healthy = False
+            if resp is not None:
+                resp.release()
+            return self._done(replica)
+        return StreamingResponse(self._relay(replica, resp, first), resp.status, out_headers)
+
+    async def _relay(self, replica: Replica, resp: aiohttp.ClientResponse, first: bytes
+                     ) -> AsyncIterator[bytes]:
+        try:
+            yield first
+            async for chunk in resp.content.iter_any():
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            replica.healthy = False
+            self.failed.inc()
+            event = {"error": {"message": f"the replica serving this stream failed: {exc}",
+                               "type": "router_error", "code": 502}}
+            yield f"data: {json.dumps(event)}\n\n".encode()
+        finally:
+            resp.release()
+            self._done(replica)
+
+    def _done(self, replica: Replica) -> None:
+        replica.in_flight -= 1
+        self.in_flight.labels(replica.url).set(replica.in_flight)
+        return None
+
+    # ------------------------------------------------------------------ other routes
+
+    async def models(self, request: Request) -> Response:
+        for r in [r for r in self.replicas if r.healthy]:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self.session.get(f"{r.url}/v1/models") as resp:
+                    return Response(await resp.read(), resp.status,
+                                    media_type="application/json")
+        return error(503, "no healthy replica")
+
+    async def health(self, request: Request) -> Response:
+        up = sum(r.healthy for r in self.replicas)
+        return JSONResponse({"healthy_replicas": up, "replicas": len(self.replicas)},
+                            status_code=200 if up else 503)
+
+    async def metrics(self, request: Request) -> Response:
+        for r in self.replicas:
+            self.healthy.labels(r.url).set(int(r.healthy))
+            self.in_flight.labels(r.url).set(r.in_flight)
+            self.prefix_placed.labels(r.url).set(r.prefix_routed)
+        return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
+
+
+def build_router_app(router: Router) -> Starlette:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        router.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        await router.check_health()
+        task = asyncio.create_task(router.health_loop())
+        try:
+            yield
+        finally:
+            task.cancel()
+            await router.session.close()
+
+    routes = [
+        Route("/v1/completions", router.proxy, methods=["POST"]),
+        Route("/v1/chat/completions", router.proxy, methods=["POST"]),
+        Route("/v1/models", router.models, methods=["GET"]),
+        Route("/health", router.health, methods=["GET"]),
+        Route("/metrics", router.metrics, methods=["GET"]),
+    ]
+    return Starlette(routes=routes, lifespan=lifespan)
