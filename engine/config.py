@@ -7,6 +7,7 @@ ModelConfig of engine/model_config.py.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import msgspec
@@ -42,6 +43,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefill_chunk_size: int = 512
     max_model_len: int | None = None
     tensor_parallel_size: int = 1
+    # Multi-node: the worker ranks spread evenly over `nnodes` hosts; node 0 runs the API
+    # server, tokenizer and scheduler too. `dist_init_addr` (HOST:PORT on node 0, or
+    # MASTER_ADDR / MASTER_PORT) is the torch.distributed rendezvous; the scheduler's plans
+    # to the ranks go to the ports after it.
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None
     enable_prefix_caching: bool = True
     # Host-memory tier for blocks evicted from the prefix cache (0: off).
     host_kv_cache_gb: float = 0.0
@@ -129,6 +137,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         MLP's intermediate size and the vocabulary split evenly."""
         world = self.tensor_parallel_size
         _require(world >= 1, f"--tensor-parallel-size must be at least 1, got {world}")
+        _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+                 f"--node-rank must be in [0, --nnodes), got {self.node_rank} of {self.nnodes}")
+        _require(world % self.nnodes == 0,
+                 f"--tensor-parallel-size {world} does not split over --nnodes {self.nnodes}")
+        if self.nnodes > 1:
+            self.dist_address()  # raises when there is none
         if world == 1:
             return
         model = self.model_config()
@@ -148,6 +162,26 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                                         f"over {world} ranks")
         _require(self.speculative_method is None,
                  f"{flag}: speculative decoding with tensor parallelism is not supported yet")
+
+    def dist_address(self) -> tuple[str, int] | None:
+        """Multi-node rendezvous (host, port): --dist-init-addr, else MASTER_ADDR and
+        MASTER_PORT; None on one node."""
+        if self.nnodes == 1:
+            return None
+        addr = self.dist_init_addr or (
+            f"{os.environ['MASTER_ADDR']}:{os.environ.get('MASTER_PORT', '29500')}"
+            if os.environ.get("MASTER_ADDR") else None)
+        _require(addr is not None and ":" in addr,
+                 "--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address), or "
+                 "MASTER_ADDR and MASTER_PORT")
+        host, _, port = addr.rpartition(":")
+        _require(port.isdigit(), f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+        return host, int(port)
+
+    def local_ranks(self) -> range:
+        """The worker ranks this node runs."""
+        per = self.tensor_parallel_size // self.nnodes
+        return range(self.node_rank * per, (self.node_rank + 1) * per)
 
     def model_config(self) -> ModelConfig:
         """The model's config (parsed once per process); ModelConfigError if unusable."""

@@ -31,7 +31,11 @@ _ENGINE_ARGS = [
     ("--max-num-batched-tokens", int, "token budget of one step"),
     ("--prefill-chunk-size", int, "longest prefill chunk of one request in a step"),
     ("--max-model-len", int, "context length (default: the model's)"),
-    ("--tensor-parallel-size", int, "worker processes sharing the model"),
+    ("--tensor-parallel-size", int, "worker ranks sharing the model (tensor parallelism)"),
+    ("--nnodes", int, "hosts the worker ranks spread over (default 1)"),
+    ("--node-rank", int, "this host's index among --nnodes; node 0 runs the API server"),
+    ("--dist-init-addr", str, "HOST:PORT of node 0 for the ranks' rendezvous (multi-node; "
+     "default MASTER_ADDR:MASTER_PORT)"),
     ("--served-model-name", str, "model name in the API (default: the directory's name)"),
     ("--seed", int, "engine seed"),
     ("--host-kv-cache-gb", float, "host-memory tier for evicted prefix-cache blocks (0: off)"),
@@ -105,6 +109,10 @@ def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
     config = model_store.ensure_config(engine_config(args))
+    if config.node_rank > 0:  # this node only runs worker ranks
+        from engine.runtime.worker_node import run_worker_node
+
+        return run_worker_node(config)
     if args.data_parallel_size > 1:
         from frontend.router.policy import Policy
         from frontend.router.server import serve_data_parallel

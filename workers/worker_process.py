@@ -16,7 +16,7 @@ import torch
 
 from engine import envs
 from engine.protocol import CompileGrammar, GrammarReady, Shutdown, WorkerInbound
-from engine.runtime.ipc import pull, push
+from engine.runtime.ipc import plan_receiver, push
 from engine.runtime.process_entry import ChildContext
 
 log = logging.getLogger("deepinfer.worker")
@@ -37,7 +37,7 @@ def main(ctx: ChildContext) -> None:
     torch.set_num_threads(_threads(ctx))
     init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init)
     runner = ModelRunner(ctx.config)
-    inbound = pull(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
+    inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
     decode = msgspec.msgpack.Decoder(WorkerInbound).decode
     encode = msgspec.msgpack.Encoder().encode

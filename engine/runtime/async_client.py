@@ -42,7 +42,7 @@ class AsyncEngineClient:
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
-        self._endpoints = Endpoints.create(config.tensor_parallel_size)
+        self._endpoints = Endpoints.create(config.tensor_parallel_size, config.dist_address())
         self._zmq = zmq.asyncio.Context()
         self._in = self._zmq.socket(zmq.PULL)
         self._in.setsockopt(zmq.LINGER, 0)

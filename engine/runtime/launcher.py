@@ -87,8 +87,10 @@ class Launcher:
         # caller's __main__ is never re-imported, so scripts need no `if __name__` guard.
         b64 = lambda data: base64.b64encode(data).decode()
         cfg, eps = b64(self.config.encode()), b64(msgspec.msgpack.encode(self.endpoints))
-        children = [("tokenizer", TOKENIZER, 0), ("scheduler", SCHEDULER, 0)]
-        children += [(f"worker{r}", WORKER, r) for r in range(self.config.tensor_parallel_size)]
+        # Node 0 (the only one, usually) runs the tokenizer and scheduler; every node its ranks.
+        children = ([("tokenizer", TOKENIZER, 0), ("scheduler", SCHEDULER, 0)]
+                    if self.config.node_rank == 0 else [])
+        children += [(f"worker{r}", WORKER, r) for r in self.config.local_ranks()]
         env = child_env()
         for name, target, rank in children:
             argv = child_argv(name, target, cfg, eps, str(rank), str(os.getpid()))

@@ -10,6 +10,7 @@ planning the next one (engine/spec/policy.py says when a request speculates).
 from __future__ import annotations
 
 import logging
+import signal
 import time
 
 import msgspec
@@ -20,11 +21,12 @@ from engine.protocol import (
     CompileGrammar,
     GrammarReady,
     SchedulerInbound,
+    Shutdown,
     StepResult,
     TokenBatch,
     TokenizedRequest,
 )
-from engine.runtime.ipc import pull, push
+from engine.runtime.ipc import plan_sender, pull, push
 from engine.runtime.process_entry import ChildContext
 from engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 
@@ -59,7 +61,7 @@ class SchedulerLoop:
         self.overlap = ctx.config.overlap_scheduling
         self.inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
         self.to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
-        self.to_workers = [push(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
+        self.to_workers = [plan_sender(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
         self.decode = msgspec.msgpack.Decoder(SchedulerInbound).decode
         self.encode = msgspec.msgpack.Encoder().encode
         self.pending: list = []  # requests/aborts that arrived while we waited for a result
@@ -179,5 +181,14 @@ class SchedulerLoop:
 
 def main(ctx: ChildContext) -> None:
     loop = SchedulerLoop(ctx)
+
+    def stop(signum, frame) -> None:
+        # Ranks on other hosts are not the launcher's to stop: tell every rank to exit.
+        for sock in loop.to_workers:
+            sock.setsockopt(zmq.LINGER, 1000)
+        loop._send_workers(Shutdown())
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
     ctx.ready(num_kv_blocks=str(loop.scheduler.allocator.num_blocks))
     loop.run()

@@ -1,0 +1,133 @@
+"""Multi-turn chat through data-parallel replicas: what the router's placement policy saves.
+
+For each policy, `deepinfer serve --data-parallel-size 2 --policy P` starts (the default model),
+and --sessions chat sessions run --turns turns each: every session's turn t at once, then turn
+t + 1. Each session has its own system prompt; each turn adds a user message to the session's
+history (previous questions and answers) and streams a greedy answer of --answer-tokens tokens.
+Reported over turns 2.. (the turns that could reuse a cached prefix): prompt tokens, of which
+served from a prefix cache, the tokens computed, the hit rate, and time to first token.
+
+    .venv/bin/python scripts/bench_router.py --result-file router.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import aiohttp
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "baking", "painting",
+          "cycling", "history", "music", "geology", "poetry"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start(policy: str, replicas: int, model: str) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--port", str(port),
+         "--data-parallel-size", str(replicas), "--policy", policy, "--log-level", "warning"],
+        cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(1)
+    raise RuntimeError("the replicas did not start")
+
+
+async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict],
+               answer_tokens: int) -> dict:
+    body = {"model": "default", "messages": messages, "max_tokens": answer_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    ttft, text, usage = None, [], None
+    async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+        async for raw in resp.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                usage = chunk["usage"]
+            for choice in chunk.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    ttft = ttft or time.perf_counter() - t0
+                    text.append(piece)
+    cached = ((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+    return {"ttft": ttft or 0.0, "text": "".join(text), "prompt": usage["prompt_tokens"],
+            "cached": cached}
+
+
+async def workload(url: str, args: argparse.Namespace) -> dict:
+    histories = [[{"role": "system", "content": f"You are an expert in {TOPICS[i % 12]}. "
+                   + f"Answer questions about {TOPICS[i % 12]} in two short sentences. " * 12}]
+                 for i in range(args.sessions)]
+    rows = []
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None)) as session:
+        for t in range(args.turns):
+            for h in histories:
+                h.append({"role": "user", "content": f"Tell me fact number {t + 1} about it."})
+            results = await asyncio.gather(*(turn(session, url, h, args.answer_tokens)
+                                             for h in histories))
+            for h, r in zip(histories, results):
+                h.append({"role": "assistant", "content": r["text"]})
+                if t:
+                    rows.append(r)
+    prompt = sum(r["prompt"] for r in rows)
+    cached = sum(r["cached"] for r in rows)
+    ttfts = [r["ttft"] for r in rows]
+    return {"prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
+            "hit_rate": cached / prompt, "ttft_mean_ms": statistics.mean(ttfts) * 1e3,
+            "ttft_p50_ms": statistics.median(ttfts) * 1e3}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--sessions", type=int, default=7, help="odd: round robin moves sessions")
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--answer-tokens", type=int, default=32)
+    p.add_argument("--result-file", default=None)
+    args = p.parse_args(argv)
+    out = {"command": " ".join(["scripts/bench_router.py", *(argv or sys.argv[1:])])}
+    for policy in args.policies.split(","):
+        proc, url = start(policy, args.replicas, args.model)
+        try:
+            out[policy] = asyncio.run(workload(url, args))
+        finally:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=60)
+        print(policy, json.dumps(out[policy]))
+    if args.result_file:
+        Path(args.result_file).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,66 @@
+"""Two "nodes" on this machine over loopback: node 1 runs only worker rank 1, node 0 the API
+server, tokenizer, scheduler and rank 0; tensor parallelism spans both (gloo over TCP)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import httpx
+
+from engine import LLM, SamplingParams
+from tests.conftest import save_tiny_model
+from tests.frontend.server_process import REPO, ServerProcess
+
+
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 all free now."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        try:
+            socks = []
+            for p in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def test_two_nodes_give_the_one_node_text(tmp_path):
+    model = save_tiny_model(tmp_path / "tiny", "llama")
+    prompt = [5, 17, 923, 4041, 88, 1200, 7, 300]
+    with LLM(str(model)) as llm:
+        ref = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0.0,
+                                                    ignore_eos=True))[0]
+    port = free_ports(3)  # the rendezvous, then rank 0's and rank 1's plans
+    flags = ["--tensor-parallel-size", "2", "--nnodes", "2",
+             "--dist-init-addr", f"127.0.0.1:{port}"]
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model), *flags,
+         "--node-rank", "1"], cwd=REPO, env=env, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        node0 = ServerProcess(model, *flags, "--node-rank", "0")
+        try:
+            r = httpx.post(f"{node0.base_url}/v1/completions", timeout=60, json={
+                "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["text"] == ref.text
+        finally:
+            node0.stop()
+        assert node1.wait(timeout=60) == 0  # node 0's scheduler told its rank to exit
+    finally:
+        if node1.poll() is None:
+            node1.kill()
