@@ -22,7 +22,8 @@ __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM")
+                                 "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
+                                 "Qwen3MoeForCausalLM")
 # More drafts than this are almost never accepted and make every verify step wider.
 MAX_SPECULATIVE_TOKENS = 16
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -47,6 +48,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # server, tokenizer and scheduler too. `dist_init_addr` (HOST:PORT on node 0, or
     # MASTER_ADDR / MASTER_PORT) is the torch.distributed rendezvous; the scheduler's plans
     # to the ranks go to the ports after it.
+    # With several ranks: each holds whole experts of every MoE layer (tokens reach them
+    # through one all-reduce) and the dense layers replicated, instead of tensor parallelism.
+    enable_expert_parallel: bool = False
     nnodes: int = 1
     node_rank: int = 0
     dist_init_addr: str | None = None
@@ -147,12 +151,25 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         model = self.model_config()
         flag = f"--tensor-parallel-size {world}"
-        _require(model.architecture in TENSOR_PARALLEL_ARCHITECTURES and not model.num_experts,
+        _require(self.speculative_method is None,
+                 f"{flag}: speculative decoding over several ranks is not supported yet")
+        if self.enable_expert_parallel:
+            _require(model.num_experts > 0, f"--enable-expert-parallel: {model.architecture} "
+                                            "has no experts")
+            _require(model.num_experts % world == 0,
+                     f"--enable-expert-parallel: the model's {model.num_experts} experts do not "
+                     f"split over {world} ranks")
+            return
+        _require(model.architecture in TENSOR_PARALLEL_ARCHITECTURES,
                  f"{flag}: tensor parallelism supports {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}"
-                 f" so far, not {model.architecture}")
+                 f" so far, not {model.architecture}"
+                 + (" (--enable-expert-parallel splits its experts)" if model.num_experts else ""))
         kv = model.num_kv_heads
         split = [("intermediate size", model.intermediate_size),
                  ("vocabulary size", model.vocab_size)]
+        if model.num_experts:
+            split += [("expert intermediate size", model.moe_intermediate_size),
+                      ("shared expert size", model.shared_expert_intermediate_size)]
         if kv < world:
             split.insert(0, ("attention heads", model.num_heads))
             _require(world % kv == 0, f"{flag}: the model's {kv} KV heads cannot be "
@@ -160,8 +177,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for what, size in split:
             _require(size % world == 0, f"{flag}: the model's {what} ({size}) does not split "
                                         f"over {world} ranks")
-        _require(self.speculative_method is None,
-                 f"{flag}: speculative decoding with tensor parallelism is not supported yet")
 
     def dist_address(self) -> tuple[str, int] | None:
         """Multi-node rendezvous (host, port): --dist-init-addr, else MASTER_ADDR and

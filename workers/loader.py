@@ -100,6 +100,9 @@ def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
     shard = getattr(param, "shard", None)  # tensor parallelism: this rank's part only
     if shard is not None:
         tensor = tensor.narrow(*shard)
+    part = getattr(param, "load", None)  # or a parameter's own choice of its part
+    if part is not None:
+        tensor = part(tensor)
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
     param.data.copy_(tensor)

@@ -24,7 +24,7 @@ from engine.protocol import (
     unpack_ids,
 )
 from workers.attention import select_backend
-from workers.distributed.parallel_state import tp
+from workers.distributed.parallel_state import group, tp
 from workers.kv_copy import copy_blocks
 from workers.loader import DTYPES, load_model
 from workers.sample.rejection import Verification, verify
@@ -51,6 +51,7 @@ class ModelRunner:
         self.num_blocks = config.kv_blocks()
         # One (K, V) pair per layer, shaped by its spec; a slot is block * block_size + offset.
         self.tp = tp()  # tensor parallelism: this rank holds its share of the KV heads
+        self.group = group()  # rank 0 samples for every rank
         self.kv_caches = [self._kv_pair(self.num_blocks, layer, dtype) for layer in spec.layers]
         # Host tier (prefix-cache blocks evicted from the device), full-attention layers only.
         host_blocks = config.host_kv_blocks()
@@ -165,7 +166,7 @@ class ModelRunner:
             r.logit_row = first
         logits = self.model.compute_logits(hidden[torch.tensor(index)])
         t1 = time.perf_counter()
-        if self.tp.rank == 0:  # samples; the other ranks take its tokens
+        if self.group.rank == 0:  # samples; the other ranks take its tokens
             self._constrain(logits, sampled)
             new = self._sample(logits, sampled)
         else:
@@ -179,19 +180,19 @@ class ModelRunner:
     def _share_sampled(self, new: list, count: int) -> list:
         """Tensor parallelism: rank 0's new tokens per sampled seq, on every rank (their
         request states, overlap placeholders and grammar matchers follow it)."""
-        if self.tp.world == 1:
+        if self.group.world == 1:
             return new
-        if self.tp.rank == 0:
+        if self.group.rank == 0:
             data = torch.tensor([len(t) for t, _ in new] + [x for t, _ in new for x in t],
                                 dtype=torch.int64)
             size = torch.tensor([len(data)], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
-        self.tp.broadcast(size)
-        if self.tp.rank == 0:
-            self.tp.broadcast(data)
+        self.group.broadcast(size)
+        if self.group.rank == 0:
+            self.group.broadcast(data)
             return new
-        data = self.tp.broadcast(torch.empty(int(size), dtype=torch.int64)).tolist()
+        data = self.group.broadcast(torch.empty(int(size), dtype=torch.int64)).tolist()
         out, pos = [], count
         for n in data[:count]:
             out.append((data[pos: pos + n], [None] * n))

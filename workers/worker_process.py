@@ -35,7 +35,8 @@ def main(ctx: ChildContext) -> None:
     from workers.model_runner import ModelRunner
 
     torch.set_num_threads(_threads(ctx))
-    init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init)
+    init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init,
+                         ctx.config.enable_expert_parallel)
     runner = ModelRunner(ctx.config)
     inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None

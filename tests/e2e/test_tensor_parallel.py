@@ -1,5 +1,6 @@
-"""Tensor parallelism through the real processes: two worker ranks in a gloo group, each holding
-its shard of the weights and KV heads, against one worker running the whole model."""
+"""Tensor and expert parallelism through the real processes: two worker ranks in a gloo group,
+each holding its shard of the weights (and KV heads), against one worker running the whole
+model."""
 
 from __future__ import annotations
 
@@ -18,23 +19,32 @@ VARIANTS = {
     # 9 heads in 3 KV groups, as the default model (SmolLM2-135M): 2 groups on rank 0, 1 on rank 1
     "llama-uneven-groups": ("llama", dict(hidden_size=72, num_attention_heads=9,
                                           num_key_value_heads=3)),
+    # MoE under tensor parallelism: every expert's intermediate size split over the ranks
+    "qwen3-moe-tp": ("qwen3_moe", dict(num_key_value_heads=2, mlp_only_layers=[1])),
+    "qwen2-moe-shared-expert-tp": ("qwen2_moe", dict(num_key_value_heads=2)),
+    # expert parallelism: whole experts per rank, dense layers (and MLA, V4 attention) replicated
+    "qwen3-moe-ep": ("qwen3_moe", dict(num_key_value_heads=2, enable_expert_parallel=True)),
+    "mixtral-ep": ("mixtral", dict(enable_expert_parallel=True)),
+    "deepseek-v3-ep": ("deepseek_v3", dict(enable_expert_parallel=True)),
+    "deepseek-v4-ep": ("deepseek_v4", dict(enable_expert_parallel=True)),
 }
 
 
-def run(model_dir, prompts, tp: int):
+def run(model_dir, prompts, tp: int, **engine):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     with LLM(str(model_dir), tensor_parallel_size=tp, num_kv_blocks=64, block_size=4,
-             prefill_chunk_size=8, max_num_batched_tokens=16) as llm:
+             prefill_chunk_size=8, max_num_batched_tokens=16, **engine) as llm:
         return llm.generate(prompts, params)
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_two_ranks_give_the_one_rank_tokens_and_logprobs(variant, tmp_path):
     arch, overrides = VARIANTS[variant]
+    engine = {k: overrides.pop(k) for k in list(overrides) if k == "enable_expert_parallel"}
     model_dir = save_tiny_model(tmp_path / variant, arch, **overrides)
     rng = np.random.default_rng(2)
     prompts = [rng.integers(3, 40000, size=n).tolist() for n in (3, 21, 9)]
-    one, two = run(model_dir, prompts, 1), run(model_dir, prompts, 2)
+    one, two = run(model_dir, prompts, 1), run(model_dir, prompts, 2, **engine)
     for a, b in zip(one, two):
         assert a.token_ids == b.token_ids
         diff = max(abs(x.chosen.logprob - y.chosen.logprob) for x, y in zip(a.logprobs, b.logprobs))
@@ -44,9 +54,13 @@ def test_two_ranks_give_the_one_rank_tokens_and_logprobs(variant, tmp_path):
 def test_models_that_cannot_split_are_refused_in_one_line(tmp_path):
     from engine.model_store import ensure_config
 
-    moe = save_tiny_model(tmp_path / "moe", "qwen3_moe")
-    with pytest.raises(ModelConfigError, match="tensor parallelism supports"):
-        ensure_config(EngineConfig(model=str(moe), tensor_parallel_size=2))
+    v3 = save_tiny_model(tmp_path / "v3", "deepseek_v3")
+    with pytest.raises(ModelConfigError, match="--enable-expert-parallel splits its experts"):
+        ensure_config(EngineConfig(model=str(v3), tensor_parallel_size=2))
+    dense = save_tiny_model(tmp_path / "dense", "llama")
+    with pytest.raises(ModelConfigError, match="has no experts"):
+        ensure_config(EngineConfig(model=str(dense), tensor_parallel_size=2,
+                                   enable_expert_parallel=True))
     odd = save_tiny_model(tmp_path / "odd", "llama", num_attention_heads=3, num_key_value_heads=1,
                           hidden_size=48)  # one KV head: query heads must split evenly
     with pytest.raises(ModelConfigError, match=r"attention heads \(3\) does not split"):

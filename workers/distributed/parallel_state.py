@@ -1,10 +1,11 @@
-"""Tensor-parallel state of this worker: its rank, the world size and the torch.distributed
-group the ranks share (gloo on CPU, NCCL on CUDA).
+"""Parallel state of this worker: its rank, the world size and the torch.distributed group the
+ranks share (gloo on CPU, NCCL on CUDA).
 
 The launcher starts one worker per rank and hands each its rank and the group's rendezvous
-(a file in the engine's private socket directory on one host). Model layers read `tp()` when
-they are built, to size and load only their shard; `tp()` is rank 0 of 1 when nothing was set
-up, so single-worker code never branches on it.
+(a file in the engine's private socket directory on one host, TCP across hosts). Model layers
+read `tp()` (dense layers' shards) and `ep()` (experts' shards) when they are built, to size and
+load only their part; both are rank 0 of 1 when nothing was set up, so single-worker code never
+branches on them.
 """
 
 from __future__ import annotations
@@ -54,18 +55,34 @@ class ParallelState:
         return x
 
 
-_STATE = ParallelState()
+_ONE = ParallelState()
+_GROUP = _ONE
+_EXPERT_PARALLEL = False
+
+
+def group() -> ParallelState:
+    """Every worker rank: who samples (rank 0) and who hears of it."""
+    return _GROUP
 
 
 def tp() -> ParallelState:
-    return _STATE
+    """How dense layers (attention, MLPs, vocabulary) split: over every rank with tensor
+    parallelism; not at all with expert parallelism, where they are replicated."""
+    return _ONE if _EXPERT_PARALLEL else _GROUP
 
 
-def init_tensor_parallel(rank: int, world: int, init_method: str) -> ParallelState:
+def ep() -> ParallelState:
+    """How a layer's experts split, whole, over the ranks (expert parallelism)."""
+    return _GROUP if _EXPERT_PARALLEL else _ONE
+
+
+def init_tensor_parallel(rank: int, world: int, init_method: str,
+                         expert_parallel: bool = False) -> ParallelState:
     """Join the workers' group (once per process)."""
-    global _STATE
+    global _GROUP, _EXPERT_PARALLEL
     if world > 1:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
-    _STATE = ParallelState(rank, world)
-    return _STATE
+    _GROUP = ParallelState(rank, world)
+    _EXPERT_PARALLEL = expert_parallel and world > 1
+    return _GROUP

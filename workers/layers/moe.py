@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import linear as cpu_linear
+from workers.distributed.parallel_state import ep, group, tp
 from workers.layers.linear import SMALL_M
 
 
@@ -72,15 +73,19 @@ def _expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, native: 
 
 def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor, native: bool = False,
-                  limit: float | None = None) -> torch.Tensor:
+                  limit: float | None = None, first: int = 0) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, H], gate_up [E, 2I, H],
     down [E, H, I], weights / ids [T, k]. `native`: the CPU float32 kernels take the weights;
-    `limit`: the clamped SwiGLU."""
+    `limit`: the clamped SwiGLU; `first`: the global id of gate_up's expert 0 (expert
+    parallelism: pairs routed to experts held elsewhere count 0 here)."""
     k = ids.shape[1]
-    flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    tokens = order // k
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    local = ids.reshape(-1) - first
+    pairs = ((local >= 0) & (local < gate_up.shape[0])).nonzero().squeeze(1)
+    local = local[pairs]
+    order = torch.argsort(local, stable=True)  # (token, slot) pairs grouped by expert
+    pairs = pairs[order]
+    tokens = pairs // k
+    counts = torch.bincount(local, minlength=gate_up.shape[0]).tolist()
     xs = x.index_select(0, tokens)
     ys = torch.empty_like(xs)
     start = 0
@@ -89,32 +94,61 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
             ys[start:start + n] = _expert(xs[start:start + n], gate_up[e], down[e], native,
                                           limit)
             start += n
-    ys.mul_(weights.reshape(-1)[order].unsqueeze(1).to(ys.dtype))
+    ys.mul_(weights.reshape(-1)[pairs].unsqueeze(1).to(ys.dtype))
     return torch.zeros_like(x).index_add_(0, tokens, ys)
 
 
 class FusedExperts(nn.Module):
     """A layer's experts; checkpoints fill them whole (HF's fused 3D tensors, by name) or one
-    expert's projection at a time (`load_expert`)."""
+    expert's projection at a time (`load_expert`).
+
+    Over several ranks they are split one of two ways (workers/distributed/parallel_state.py):
+    expert parallelism gives each rank whole experts, tensor parallelism gives each rank a slice
+    of every expert's intermediate size; either way each rank loads only its part and one
+    all-reduce sums the ranks' outputs."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int,
                  swiglu_limit: float | None = None) -> None:
         super().__init__()
+        experts, slices = ep(), tp()
+        self.group = group() if experts.world * slices.world > 1 else None
+        self.first, num_local = experts.shard(num_experts, "experts")
+        self.full_intermediate = intermediate
+        self.inter_start, intermediate = slices.shard(intermediate, "expert intermediate size")
         self.intermediate = intermediate
         self.swiglu_limit = swiglu_limit
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden),
+        self.gate_up_proj = nn.Parameter(torch.empty(num_local, 2 * intermediate, hidden),
                                          requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate),
+        self.down_proj = nn.Parameter(torch.empty(num_local, hidden, intermediate),
                                       requires_grad=False)
+        # Fused [E, ...] checkpoint tensors: the loader keeps this rank's part.
+        self.gate_up_proj.load = self._gate_up_part
+        self.down_proj.load = lambda t: self._experts_part(t).narrow(
+            2, self.inter_start, self.intermediate)
         self._native = False  # set by finalize()
 
+    def _experts_part(self, t: torch.Tensor) -> torch.Tensor:
+        return t.narrow(0, self.first, self.gate_up_proj.shape[0])
+
+    def _gate_up_part(self, t: torch.Tensor) -> torch.Tensor:
+        t, start, n = self._experts_part(t), self.inter_start, self.intermediate
+        up = self.full_intermediate + start  # [gate | up] rows of the full tensor
+        return torch.cat([t.narrow(1, start, n), t.narrow(1, up, n)], dim=1)
+
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
-        """Copy one expert's "gate", "up" or "down" weight in; returns the parameter's name."""
+        """Copy one expert's "gate", "up" or "down" weight in (nothing when another rank holds
+        that expert); returns the parameter's name."""
         i = self.intermediate
         name = "down_proj" if part == "down" else "gate_up_proj"
-        target = getattr(self, name).data[expert]
-        if part != "down":
+        local = expert - self.first
+        if not 0 <= local < self.gate_up_proj.shape[0]:
+            return name
+        target = getattr(self, name).data[local]
+        if part == "down":
+            tensor = tensor.narrow(1, self.inter_start, i)
+        else:
             target = target[{"gate": slice(0, i), "up": slice(i, 2 * i)}[part]]
+            tensor = tensor.narrow(0, self.inter_start, i)
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert} {part}: checkpoint shape {tuple(tensor.shape)} "
                              f"!= {tuple(target.shape)}")
@@ -127,5 +161,6 @@ class FusedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                 ) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_proj.data, self.down_proj.data, weights, ids,
-                             self._native, self.swiglu_limit)
+        out = fused_experts(x, self.gate_up_proj.data, self.down_proj.data, weights, ids,
+                            self._native, self.swiglu_limit, self.first)
+        return out if self.group is None else self.group.all_reduce(out)
