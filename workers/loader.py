@@ -11,6 +11,7 @@ from torch import nn
 
 from engine.model_config import ModelConfig
 from workers.attention import AttentionBackend, select_backend
+from workers.layers.checkpoint_tensor import LazyTensor, materialize
 from workers.layers.linear import Linear, MergedLinear, resolve_weight_copies
 from workers.layers.moe import FusedExperts
 from workers.models import model_class
@@ -62,7 +63,9 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
             for name in f.keys():
                 if "rotary_emb.inv_freq" in name or (skips is not None and skips(name)):
                     continue
-                tensor = f.get_tensor(name)
+                # Read when a layer has taken its part (all of it, without parallelism).
+                source = f.get_slice(name)
+                tensor = LazyTensor(source, tuple(source.get_shape()))
                 loaded.add(_load_one(model, params, modules, name, tensor))
     if getattr(model, "tie_word_embeddings", False):
         model.tie_weights()
@@ -72,7 +75,7 @@ def load_weights(model: nn.Module, model_dir: str) -> None:
         raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
 
 
-def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
+def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
     rename = getattr(model, "rename_weight", None)  # a model whose checkpoints name it their way
     if rename is not None:
         name = rename(name)
@@ -105,5 +108,5 @@ def _load_one(model, params, modules, name: str, tensor: torch.Tensor) -> str:
         tensor = part(tensor)
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
-    param.data.copy_(tensor)
+    param.data.copy_(materialize(tensor))
     return name

@@ -24,6 +24,7 @@ from torch import nn
 
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu.decode_layer import EMPTY, LinearWeights
+from workers.layers.checkpoint_tensor import materialize
 
 SMALL_M = 4  # largest batch the weight-streaming kernel handles better than a GEMM
 WEIGHT_COPIES = ("auto", "both", "packed", "plain")
@@ -113,7 +114,7 @@ class MergedLinear(Linear):
         offset, size = self.parts[part]
         target = self.bias if is_bias else self.weight
         tensor = tensor.narrow(0, self.sources.get(part, 0), size)
-        target.data[offset: offset + size].copy_(tensor)
+        target.data[offset: offset + size].copy_(materialize(tensor))
 
 
 class PlainWeight(nn.Module):

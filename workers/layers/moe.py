@@ -15,6 +15,7 @@ from torch import nn
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import linear as cpu_linear
 from workers.distributed.parallel_state import ep, group, tp
+from workers.layers.checkpoint_tensor import materialize
 from workers.layers.linear import SMALL_M
 
 
@@ -133,7 +134,8 @@ class FusedExperts(nn.Module):
     def _gate_up_part(self, t: torch.Tensor) -> torch.Tensor:
         t, start, n = self._experts_part(t), self.inter_start, self.intermediate
         up = self.full_intermediate + start  # [gate | up] rows of the full tensor
-        return torch.cat([t.narrow(1, start, n), t.narrow(1, up, n)], dim=1)
+        return torch.cat([materialize(t.narrow(1, start, n)), materialize(t.narrow(1, up, n))],
+                         dim=1)
 
     def load_expert(self, expert: int, part: str, tensor: torch.Tensor) -> str:
         """Copy one expert's "gate", "up" or "down" weight in (nothing when another rank holds
@@ -152,7 +154,7 @@ class FusedExperts(nn.Module):
         if target.shape != tensor.shape:
             raise ValueError(f"expert {expert} {part}: checkpoint shape {tuple(tensor.shape)} "
                              f"!= {tuple(target.shape)}")
-        target.copy_(tensor)
+        target.copy_(materialize(tensor))
         return name
 
     def finalize(self) -> None:

@@ -1,0 +1,38 @@
+"""A checkpoint tensor not read yet: narrowing it narrows what will be read.
+
+The loader hands these to the layers, which keep the part they hold (a tensor-parallel shard,
+an expert-parallel share of the experts) with `narrow` and read it with `materialize`, so each
+rank of a parallel group reads only its part of each weight from disk.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class LazyTensor:
+    def __init__(self, source, shape: tuple[int, ...], index: tuple[slice, ...] | None = None
+                 ) -> None:
+        self._source = source  # a safetensors slice: source[index] reads
+        self._full = shape
+        self._index = index or tuple(slice(0, n) for n in shape)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(s.stop - s.start for s in self._index)
+
+    def narrow(self, dim: int, start: int, length: int) -> LazyTensor:
+        dim %= len(self._index)
+        index = list(self._index)
+        base = index[dim].start
+        if start < 0 or base + start + length > index[dim].stop:
+            raise ValueError(f"narrow({dim}, {start}, {length}) outside {tuple(self.shape)}")
+        index[dim] = slice(base + start, base + start + length)
+        return LazyTensor(self._source, self._full, tuple(index))
+
+    def read(self) -> torch.Tensor:
+        return self._source[self._index]
+
+
+def materialize(t: torch.Tensor | LazyTensor) -> torch.Tensor:
+    return t.read() if isinstance(t, LazyTensor) else t
