@@ -25,7 +25,7 @@ from engine.protocol import (
 )
 from workers.attention import select_backend
 from workers.distributed.parallel_state import group, tp
-from workers.kv_copy import copy_blocks
+from workers.kv_connector import HostTierWorker
 from workers.loader import DTYPES, load_model
 from workers.sample.rejection import Verification, verify
 from workers.sample.sampler import Sampler, SamplingState
@@ -53,11 +53,14 @@ class ModelRunner:
         self.tp = tp()  # tensor parallelism: this rank holds its share of the KV heads
         self.group = group()  # rank 0 samples for every rank
         self.kv_caches = [self._kv_pair(self.num_blocks, layer, dtype) for layer in spec.layers]
-        # Host tier (prefix-cache blocks evicted from the device), full-attention layers only.
+        # The KV connector's worker half: the host tier (prefix-cache blocks evicted from the
+        # device), full-attention entries only.
         host_blocks = config.host_kv_blocks()
-        self.full_layers = spec.layers_of(FULL)
-        self.host_caches = {i: self._kv_pair(host_blocks, spec.layers[i], dtype)
-                            for i in (self.full_layers if host_blocks else [])}
+        full = spec.layers_of(FULL)
+        self.connector = HostTierWorker(
+            [self.kv_caches[i] for i in full],
+            [self._kv_pair(host_blocks, spec.layers[i], dtype) for i in full]
+        ) if host_blocks else None
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
         self.proposer: Proposer | None = build_proposer(config, self.sampler)
@@ -92,19 +95,10 @@ class ModelRunner:
         return (torch.zeros((blocks, self.block_size, *k), dtype=dtype),
                 torch.zeros((blocks, self.block_size, *v), dtype=dtype))
 
-    def _copy_blocks(self, plan: StepPlan) -> None:
-        """Host-tier copies, before the forward: swap-outs first, then swap-ins."""
-        for packed, to_host in ((plan.swap_out, True), (plan.swap_in, False)):
-            if not packed:
-                continue
-            pairs = torch.from_numpy(unpack_ids(packed).astype(np.int64)).view(-1, 2)
-            copy_blocks(pairs, [self.kv_caches[i] for i in self.full_layers],
-                        [self.host_caches[i] for i in self.full_layers], to_host)
-            if self.proposer is not None:
-                self.proposer.copy_blocks(pairs, to_host)
-
     def _update_states(self, plan: StepPlan) -> None:
-        self._copy_blocks(plan)
+        if self.connector is not None:
+            self.connector.before_forward(
+                plan, self.proposer.copy_blocks if self.proposer is not None else None)
         for rid in plan.finished:
             self.states.pop(rid, None)
             self.last_hidden.pop(rid, None)

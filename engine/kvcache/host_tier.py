@@ -1,4 +1,5 @@
-"""Host-memory tier for the prefix cache: evicted blocks move to a bounded pool, not the bin.
+"""Host-memory tier for the prefix cache (a KV connector): evicted blocks move to a bounded pool,
+not the bin.
 
 When the radix cache evicts a full-attention block, its contents are copied (swap-out) into a
 host block, indexed by a digest of every token from the start through that block. A later
@@ -8,7 +9,7 @@ workers run them before the forward pass: swap-outs first, then swap-ins, so a d
 evicted and reused in the same step is saved before it is overwritten.
 
 Invariant: while a plan is being built, a host block it reads (a swap-in source, pinned from the
-moment lookup() finds it) or writes (a swap-out target) is never handed out again, so one plan
+moment match() finds it) or writes (a swap-out target) is never handed out again, so one plan
 never writes a host block twice (the workers' indexed copy would keep either write) nor
 overwrites one it still has to read.
 """
@@ -20,13 +21,15 @@ from collections import OrderedDict
 
 import numpy as np
 
+from engine.kvcache.connector import KVConnector
+
 
 def prefix_digest(tokens) -> bytes:
     """Exact identity of a block-aligned prefix (collisions are not a practical concern)."""
     return hashlib.blake2b(np.asarray(tokens, dtype=np.int32).tobytes(), digest_size=16).digest()
 
 
-class HostTier:
+class HostTier(KVConnector):
     def __init__(self, num_blocks: int, block_size: int) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -42,7 +45,7 @@ class HostTier:
     def num_used(self) -> int:
         return len(self._index)
 
-    def store(self, tokens, device_block: int) -> None:
+    def on_evict(self, tokens, device_block: int) -> None:
         """Keep an evicted block: called by the radix cache before it frees device_block."""
         key = prefix_digest(tokens)
         if key in self._index:
@@ -65,7 +68,7 @@ class HostTier:
                 return host
         return None
 
-    def lookup(self, tokens, start: int, end: int) -> list[int]:
+    def match(self, tokens, start: int, end: int) -> list[int]:
         """Host blocks holding the block-aligned prefixes of tokens[:start + k*bs] <= end.
 
         They are pinned for the plan being built: evictions that follow (to make device room
@@ -85,15 +88,15 @@ class HostTier:
             pos += bs
         return found
 
-    def plan_swap_in(self, host_block: int, device_block: int) -> None:
+    def plan_load(self, host_block: int, device_block: int) -> None:
         self._pinned.add(host_block)
         self.swap_in.append((host_block, device_block))
 
-    def cancel_swap_in(self, device_blocks: list[int]) -> None:
+    def cancel_loads(self, device_blocks: list[int]) -> None:
         drop = set(device_blocks)
         self.swap_in = [(h, d) for h, d in self.swap_in if d not in drop]
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    def take_plan(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
         """The copies for the plan being sent; pins end with it. Swap-ins count as hits only
         here: one planned for a request that then had to wait was cancelled."""
         out, into = self.swap_out, self.swap_in

@@ -25,6 +25,7 @@ import time
 
 from engine.kv_spec import FULL, SLIDING, KVGroup
 from engine.kvcache.block_allocator import BlockAllocator
+from engine.kvcache.connector import KVConnector
 from engine.kvcache.host_tier import HostTier
 from engine.kvcache.radix_cache import RadixCache, Snapshot
 from engine.request import Request
@@ -67,10 +68,11 @@ class KVManager:
         self.replayed_tokens = 0
         self.snapshot_hits = 0  # hits that resumed the sliding layers from a snapshot
         self._evictable, self._evictable_at = 0, float("-inf")
-        self.host = (HostTier(host_blocks, block_size)
-                     if host_blocks and self.cache is not None else None)
-        if self.host is not None:
-            self.cache.on_evict = self.host.store
+        # The KV connector (engine/kvcache/connector.py): the host tier, when configured.
+        self.connector: KVConnector | None = (HostTier(host_blocks, block_size)
+                                              if host_blocks and self.cache is not None else None)
+        if self.connector is not None:
+            self.cache.on_evict = self.connector.on_evict
 
     # ------------------------------------------------------------------ capacity
 
@@ -173,8 +175,8 @@ class KVManager:
         req.cache_node = match.node
         hit = match.num_tokens
         req.tables[self.full] = list(match.blocks)
-        if self.host is not None:
-            hit += self._swap_in(req, tokens, hit)
+        if self.connector is not None:
+            hit += self._load_from_connector(req, tokens, hit)
         req.hit_tokens = hit
         start = hit
         req.window_exact, req.snapshot_hit = True, False
@@ -211,9 +213,13 @@ class KVManager:
                 return pos, snap
         return None
 
-    def _swap_in(self, req: Request, tokens, hit: int) -> int:
-        """Continue a radix hit from the host tier; returns the extra cached tokens."""
-        found = self.host.lookup(tokens, hit, req.num_tokens - 1)  # pinned from here on
+    @property
+    def host(self) -> HostTier | None:
+        return self.connector if isinstance(self.connector, HostTier) else None
+
+    def _load_from_connector(self, req: Request, tokens, hit: int) -> int:
+        """Continue a radix hit from the connector's blocks; returns the extra cached tokens."""
+        found = self.connector.match(tokens, hit, req.num_tokens - 1)  # pinned from here on
         allocator = self.allocators[self.full]
         short = len(found) - allocator.num_free
         if short > 0:
@@ -223,19 +229,19 @@ class KVManager:
             return 0
         device = allocator.allocate(len(found))
         for h, d in zip(found, device):
-            self.host.plan_swap_in(h, d)
+            self.connector.plan_load(h, d)
         req.tables[self.full] += device
         self.cache.hits_tokens += len(found) * self.block_size
         return len(found) * self.block_size
 
     def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """Host-tier copies (swap-out, swap-in) the next plan must carry."""
-        return self.host.take_copies() if self.host is not None else ([], [])
+        """The connector's copies (saves, loads) the next plan must carry."""
+        return self.connector.take_plan() if self.connector is not None else ([], [])
 
     def unmatch_prefix(self, req: Request) -> None:
         """Undo match_prefix for a request that could not be admitted after all."""
-        if self.host is not None and self.full is not None:
-            self.host.cancel_swap_in(req.tables[self.full])
+        if self.connector is not None and self.full is not None:
+            self.connector.cancel_loads(req.tables[self.full])
         if self.cache is not None and req.cache_node is not None:
             self.cache.hits_tokens -= req.hit_tokens  # it will be looked up again
             self.cache.queries_tokens -= req.num_tokens
