@@ -19,6 +19,7 @@ from engine.config import (
     ModelConfigError,
 )
 from engine.runtime.launcher import EngineStartupError
+from frontend.auth import resolve_api_key
 from frontend.router.policy import POLICIES
 
 # (flag, type, help); unset flags keep EngineConfig's defaults.
@@ -121,9 +122,9 @@ def _serve(args: argparse.Namespace) -> int:
 
         return serve_data_parallel(_replica_args(args, config.model), args.data_parallel_size,
                                    args.host, args.port, Policy(args.policy),
-                                   config.worker_threads)
+                                   config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
-                 args.access_log)
+                 args.access_log, resolve_api_key(args.api_key))
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -132,7 +133,7 @@ def _router(args: argparse.Namespace) -> int:
 
     policy = Policy(args.policy, args.cache_threshold, args.balance_abs_threshold)
     return run_router(args.worker, args.host, args.port, policy, args.health_interval,
-                      args.log_level)
+                      args.log_level, resolve_api_key(args.api_key))
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -181,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="engine requests in flight before new ones get 503")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--access-log", action="store_true")
+    serve.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer KEY` on every /v1 route (default: "
+                            "$DEEPINFER_API_KEY; unset: open)")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="replicas of the whole engine, each on its own local port, behind "
                             "a router on --port (default 1: no router)")
@@ -203,6 +207,9 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--balance-abs-threshold", type=int, default=8,
                         help="cache_aware: in-flight requests between the busiest and the "
                              "idlest replica past which the idlest gets the request (default 8)")
+    router.add_argument("--api-key", default=None,
+                        help="require `Authorization: Bearer KEY` on every /v1 route and pass it "
+                             "to the replicas (default: $DEEPINFER_API_KEY)")
     router.add_argument("--health-interval", type=float, default=1.0,
                         help="seconds between health checks of each replica")
     router.add_argument("--log-level", default="info")

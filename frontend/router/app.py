@@ -24,6 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from frontend.auth import UNAUTHORIZED, authorized
 from frontend.router.policy import Policy, Replica
 
 log = logging.getLogger("deepinfer.router")
@@ -48,8 +49,10 @@ def error(status: int, message: str) -> JSONResponse:
 
 
 class Router:
-    def __init__(self, urls: list[str], policy: Policy, health_interval: float = 1.0) -> None:
+    def __init__(self, urls: list[str], policy: Policy, health_interval: float = 1.0,
+                 api_key: str | None = None) -> None:
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
+        self.api_key = api_key  # checked here and passed on to the replicas
         self.policy = policy
         self.health_interval = health_interval
         self.session: aiohttp.ClientSession | None = None
@@ -94,6 +97,8 @@ class Router:
 
     async def proxy(self, request: Request) -> Response:
         path = request.url.path
+        if not authorized(self.api_key, path, request.headers.get("authorization")):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
         body = await request.body()
         try:
             payload = json.loads(body)
@@ -169,9 +174,12 @@ class Router:
     # ------------------------------------------------------------------ other routes
 
     async def models(self, request: Request) -> Response:
+        if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         for r in [r for r in self.replicas if r.healthy]:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with self.session.get(f"{r.url}/v1/models") as resp:
+                async with self.session.get(f"{r.url}/v1/models", headers=headers) as resp:
                     return Response(await resp.read(), resp.status,
                                     media_type="application/json")
         return error(503, "no healthy replica")

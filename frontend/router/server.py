@@ -21,8 +21,9 @@ log = logging.getLogger("deepinfer.router")
 
 
 def run_router(urls: list[str], host: str, port: int, policy: Policy,
-               health_interval: float = 1.0, log_level: str = "info") -> int:
-    app = build_router_app(Router(urls, policy, health_interval))
+               health_interval: float = 1.0, log_level: str = "info",
+               api_key: str | None = None) -> int:
+    app = build_router_app(Router(urls, policy, health_interval, api_key))
     log.info("routing %s over %d replicas: %s", policy.name, len(urls), ", ".join(urls))
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
     return 0
@@ -51,7 +52,7 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float) -> No
 
 def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int,
                         policy: Policy, worker_threads: int | None,
-                        start_timeout: float = 600.0) -> int:
+                        api_key: str | None = None, start_timeout: float = 600.0) -> int:
     """Start `size` replicas (`deepinfer serve` with `replica_args`, each on a free local
     port), wait until each is healthy, then route on host:port until a signal; the replicas
     stop with the router."""
@@ -63,11 +64,13 @@ def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int
             p = free_port()
             argv = [sys.executable, "-m", "frontend.cli", "serve", *replica_args,
                     "--host", "127.0.0.1", "--port", str(p), "--worker-threads", str(threads)]
-            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL))
+            # The key reaches the replicas through their environment, not their argv.
+            env = dict(os.environ, DEEPINFER_API_KEY=api_key) if api_key else None
+            procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env))
             urls.append(f"http://127.0.0.1:{p}")
         for url in urls:
             _wait_healthy(url, procs, start_timeout)
-        return run_router(urls, host, port, policy)
+        return run_router(urls, host, port, policy, api_key=api_key)
     finally:
         for p in procs:
             if p.poll() is None:

@@ -19,6 +19,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from frontend.auth import UNAUTHORIZED, authorized
 from frontend.server.errors import APIError
 from frontend.server.http_io import SSEResponse
 from frontend.server.openai_responses import ModelCard, ModelList
@@ -42,6 +43,10 @@ def _route(state: ServerState, name: str, handler: Handler):
     """Wrap a handler: APIError -> OpenAI error body, crash -> 500, count every status."""
 
     async def endpoint(request: Request) -> Response | SSEResponse:
+        if not authorized(state.api_key, request.url.path,
+                          request.headers.get("authorization")):
+            state.metrics.requests.labels(name, "401").inc()
+            return JSONResponse(UNAUTHORIZED, status_code=401)
         try:
             response = await handler(state, request)
         except APIError as exc:

@@ -68,13 +68,14 @@ def serve(
     max_pending: int = 256,
     log_level: str = "info",
     access_log: bool = False,
+    api_key: str | None = None,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
     from engine.runtime.async_client import AsyncEngineClient
 
     state = ServerState(max_pending, model_aliases=(config.model,),
-                        grammar_max_bytes=config.grammar_max_bytes)
+                        grammar_max_bytes=config.grammar_max_bytes, api_key=api_key)
     exit_code = 0
     server: _Server | None = None
 

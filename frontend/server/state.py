@@ -30,8 +30,9 @@ class EngineClient(Protocol):
 
 class ServerState:
     def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
-                 grammar_max_bytes: int = 65536) -> None:
+                 grammar_max_bytes: int = 65536, api_key: str | None = None) -> None:
         self.client: EngineClient | None = None
+        self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.metrics = Metrics(self)
         self.max_pending = max_pending
         self.pending = 0  # engine requests admitted and not yet finished

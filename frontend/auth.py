@@ -1,0 +1,25 @@
+"""Bearer-token access control shared by the API server and the router: with a key set
+(`--api-key`, or DEEPINFER_API_KEY), every /v1 route wants `Authorization: Bearer <key>` and
+answers 401 otherwise; /health, /metrics and /version stay open (service managers and scrapers
+need them)."""
+
+from __future__ import annotations
+
+import hmac
+import os
+
+
+def resolve_api_key(flag: str | None) -> str | None:
+    return flag or os.environ.get("DEEPINFER_API_KEY") or None
+
+
+def authorized(api_key: str | None, path: str, authorization: str | None) -> bool:
+    if not api_key or not path.startswith("/v1"):
+        return True
+    expected = f"Bearer {api_key}".encode()
+    return hmac.compare_digest((authorization or "").encode(), expected)
+
+
+UNAUTHORIZED = {"error": {"message": "invalid or missing API key (Authorization: Bearer ...)",
+                          "type": "invalid_request_error", "param": None,
+                          "code": "invalid_api_key"}}
