@@ -124,7 +124,7 @@ def _serve(args: argparse.Namespace) -> int:
                                    args.host, args.port, Policy(args.policy),
                                    config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
-                 args.access_log, resolve_api_key(args.api_key))
+                 args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -185,6 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (default: "
                             "$DEEPINFER_API_KEY; unset: open)")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="on SIGTERM/SIGINT: seconds requests in flight may take to finish "
+                            "while new ones get 503 (default 30; 0: stop at once)")
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="replicas of the whole engine, each on its own local port, behind "
                             "a router on --port (default 1: no router)")

@@ -43,8 +43,8 @@ def _route(state: ServerState, name: str, handler: Handler):
     """Wrap a handler: APIError -> OpenAI error body, crash -> 500, count every status."""
 
     async def endpoint(request: Request) -> Response | SSEResponse:
-        if not authorized(state.api_key, request.url.path,
-                          request.headers.get("authorization")):
+        if state.api_key and not authorized(state.api_key, request.url.path,
+                                            request.headers.get("authorization")):
             state.metrics.requests.labels(name, "401").inc()
             return JSONResponse(UNAUTHORIZED, status_code=401)
         try:
@@ -69,6 +69,8 @@ async def _models(state: ServerState, request: Request) -> Response:
 
 
 async def _health(state: ServerState, request: Request) -> Response:
+    if state.draining:  # routers and balancers: send nothing more here
+        return JSONResponse({"status": "draining"}, status_code=503)
     if state.healthy:
         return Response(status_code=200)
     reason = state.failure or ("starting" if state.client is None else "engine unavailable")

@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 import sys
+import time
 from collections.abc import Iterator
 
 import uvicorn
@@ -28,13 +29,42 @@ log = logging.getLogger("deepinfer.server")
 
 
 class _Server(uvicorn.Server):
+    """uvicorn, with a drain before it stops: the first SIGINT/SIGTERM turns new requests away
+    (503) while those in flight finish, for up to `shutdown_timeout` seconds; a second signal
+    stops at once."""
+
+    def __init__(self, config: uvicorn.Config, state: ServerState, shutdown_timeout: float
+                 ) -> None:
+        super().__init__(config)
+        self.state, self.shutdown_timeout = state, shutdown_timeout
+        self.loop: asyncio.AbstractEventLoop | None = None
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         # uvicorn re-raises a captured SIGINT/SIGTERM after shutdown, which would turn a clean
         # stop into a KeyboardInterrupt or a death by signal; a handled signal is a clean exit.
+        self.loop = asyncio.get_running_loop()
         with super().capture_signals():
             yield
             self._captured_signals.clear()
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.state.draining or self.loop is None or self.shutdown_timeout <= 0:
+            super().handle_exit(sig, frame)
+            return
+        self._captured_signals.append(sig)
+        self.state.draining = True
+        log.info("draining: %d requests in flight, new ones get 503 (up to %g s)",
+                 self.state.pending, self.shutdown_timeout)
+        self.loop.call_soon_threadsafe(lambda: self.loop.create_task(self._drain(sig, frame)))
+
+    async def _drain(self, sig: int, frame) -> None:
+        deadline = time.monotonic() + self.shutdown_timeout
+        while self.state.pending and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.state.pending:
+            log.warning("shutdown timeout: %d requests still in flight", self.state.pending)
+        super().handle_exit(sig, frame)
 
 
 def _loop_factory():
@@ -69,6 +99,7 @@ def serve(
     log_level: str = "info",
     access_log: bool = False,
     api_key: str | None = None,
+    shutdown_timeout: float = 30.0,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
@@ -91,7 +122,7 @@ def serve(
         app, host=host, port=port, loop="uvloop", log_level=log_level, access_log=access_log,
         timeout_graceful_shutdown=5, lifespan="on",
     )
-    server = _Server(uv_config)
+    server = _Server(uv_config, state, shutdown_timeout)
     signalled = False
 
     async def run() -> None:

@@ -33,6 +33,7 @@ class ServerState:
                  grammar_max_bytes: int = 65536, api_key: str | None = None) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
+        self.draining = False  # shutting down: requests in flight finish, new ones get 503
         self.metrics = Metrics(self)
         self.max_pending = max_pending
         self.pending = 0  # engine requests admitted and not yet finished
@@ -75,6 +76,9 @@ class ServerState:
 
     def admit(self, count: int) -> None:
         """Take `count` slots of the bounded queue, or raise 503 (retry later)."""
+        if self.draining:
+            raise APIError("the server is shutting down", status=503, type="server_error",
+                           code="shutting_down")
         if not self.healthy:
             reason = self.failure or (self.client.dead_reason if self.client else None)
             raise server_error(f"the engine is not available: {reason or 'starting'}")
