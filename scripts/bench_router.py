@@ -17,12 +17,10 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import aiohttp
@@ -30,32 +28,15 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from scripts.server_process import start_server  # noqa: E402
+
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "baking", "painting",
           "cycling", "history", "music", "geology", "poetry"]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start(policy: str, replicas: int, model: str) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--port", str(port),
-         "--data-parallel-size", str(replicas), "--policy", policy, "--log-level", "warning"],
-        cwd=REPO, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(1)
-    raise RuntimeError("the replicas did not start")
+    return start_server(["--model", model, "--data-parallel-size", str(replicas),
+                         "--policy", policy])
 
 
 async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict],

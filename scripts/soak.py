@@ -21,8 +21,6 @@ import os
 import random
 import re
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +30,9 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from scripts.server_process import start_server  # noqa: E402
 
 # Each must be refused with a 400 (and leave nothing behind).
 BAD_BODIES = [
@@ -197,33 +198,11 @@ def kv_settled(url: str, timeout: float = 30.0) -> dict[str, float]:
         time.sleep(0.5)
 
 
-def start_server(model: str, extra: list[str]) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", "--model", model, "--port", str(port),
-         "--log-level", "warning", *extra], cwd=REPO, start_new_session=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        env=dict(os.environ, PYTHONPATH=str(REPO)))
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
-                if r.status == 200:
-                    return proc, url
-        except OSError:
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("the server did not start")
-
-
 def soak(args: argparse.Namespace) -> dict:
     proc = None
     url = args.url
     if url is None:
-        proc, url = start_server(args.model, args.server_arg or [])
+        proc, url = start_server(["--model", args.model, *(args.server_arg or [])])
     try:
         sampler = RssSampler(proc.pid if proc else os.getpid())
         sampler.start()

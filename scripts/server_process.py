@@ -1,0 +1,41 @@
+"""Start `deepinfer serve` as a subprocess for a benchmark script, and wait until it is healthy."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(serve_args: list[str], timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
+    """`deepinfer serve *serve_args` on a free local port, in its own process group (stop it
+    with os.killpg(proc.pid, SIGTERM)); returns the process and its base URL once healthy."""
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "frontend.cli", "serve", *serve_args, "--port", str(port),
+         "--log-level", "warning"], cwd=REPO, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        env=dict(os.environ, PYTHONPATH=str(REPO)))
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as r:
+                if r.status == 200:
+                    return proc, url
+        except OSError:
+            time.sleep(0.5)
+    proc.kill()
+    raise RuntimeError(f"deepinfer serve {' '.join(serve_args)} did not start")
