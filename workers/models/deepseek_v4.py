@@ -70,6 +70,11 @@ class InterleavedRope(nn.Module):
         return torch.cat([x[..., : -self.dim], rotated.flatten(-2).to(x.dtype)], dim=-1)
 
 
+def _table(table) -> torch.Tensor:
+    """A step's block table (a read-only view of the plan's bytes) as a tensor of its own."""
+    return torch.tensor(table, dtype=torch.int64)
+
+
 def slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> torch.Tensor:
     """Cache slots of `positions` in a block table."""
     return table[positions // block_size] * block_size + positions % block_size
@@ -202,13 +207,13 @@ class V4Attention(nn.Module):
             if not len(windows):
                 continue
             pos = (windows[:, None] + 1) * rate - span + torch.arange(span)[None]
-            src_table = torch.from_numpy(seq_src.table)
+            src_table = _table(seq_src.table)
             rows = self._rows(caches, src, src_table, pos.clamp(min=0).flatten(), bs)
             entries = comp.compress(rows.view(len(windows), span, -1), windows)
             out = (windows[:, None] + 1) * rate - per + torch.arange(per)[None]
             cache = caches[self.entries[dst]][0]
             cache.view(-1, cache.shape[-1]).index_copy_(
-                0, slots(torch.from_numpy(seq_dst.table), out.flatten(), bs),
+                0, slots(_table(seq_dst.table), out.flatten(), bs),
                 entries.reshape(-1, cache.shape[-1]))
 
     def _entries(self, caches, name: str, table: torch.Tensor, count: int, rate: int,
@@ -256,12 +261,12 @@ class V4Attention(nn.Module):
         start, end = seq.start, seq.start + seq.num_tokens
         first = max(seq.key_from, start - self.window + 1, 0)
         key_pos = torch.arange(first, end)
-        keys = self._rows(caches, "window", torch.from_numpy(seq.table), key_pos, bs)
+        keys = self._rows(caches, "window", _table(seq.table), key_pos, bs)
         visible = ((key_pos[None] <= positions[:, None])
                    & (key_pos[None] > positions[:, None] - self.window))
         comp = self.compressor
         if comp is not None and end // comp.rate:
-            table = torch.from_numpy(full_seq.table)
+            table = _table(full_seq.table)
             count = end // comp.rate
             entries = self._entries(caches, "compressed", table, count, comp.rate, bs)
             if self.kind == "csa":
