@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,28 +24,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from engine import LLM, SamplingParams  # noqa: E402
 from engine.model_store import ensure_model  # noqa: E402
+from scripts.server_process import descendants, rss_mb  # noqa: E402
 
 
 def worker_rss_mb() -> list[float]:
-    """Resident memory of every engine worker process running now, rank order."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-            status = (proc / "status").read_text()
-        except OSError:
-            continue
-        if b"engine.runtime.process_entry" not in b" ".join(argv):
-            continue
-        name = next((a.decode() for a in argv if a.startswith(b"worker")), None)
-        if name is None:
-            continue
-        kb = next(int(line.split()[1]) for line in status.splitlines()
-                  if line.startswith("VmRSS:"))
-        found.append((name, kb / 1024))
-    return [mb for _, mb in sorted(found)]
+    """Resident memory of this process's engine workers, rank order."""
+    workers = sorted((name, pid) for pid, name in descendants(os.getpid()).items()
+                     if name.startswith("worker"))
+    return [rss_mb(pid) for _, pid in workers]
 
 
 def measure(model: str, tp: int, args: argparse.Namespace) -> dict:

@@ -1,4 +1,5 @@
-"""Start `deepinfer serve` as a subprocess for a benchmark script, and wait until it is healthy."""
+"""Processes for benchmark scripts: start `deepinfer serve` and wait until it is healthy; find an
+engine's processes and their resident memory."""
 
 from __future__ import annotations
 
@@ -39,3 +40,38 @@ def start_server(serve_args: list[str], timeout: float = 600.0) -> tuple[subproc
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"deepinfer serve {' '.join(serve_args)} did not start")
+
+
+def descendants(pid: int) -> dict[int, str]:
+    """Live processes below `pid` (itself included): pid -> a short name from its argv."""
+    parents, names = {}, {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
+        names[int(entry.name)] = next(
+            (a.decode() for a in argv if a in (b"tokenizer", b"scheduler")
+             or a.startswith(b"worker")), "server")
+    found, frontier = {pid: names.get(pid, "server")}, [pid]
+    while frontier:
+        p = frontier.pop()
+        for child, parent in parents.items():
+            if parent == p and child not in found:
+                found[child] = names.get(child, "?")
+                frontier.append(child)
+    return found
+
+
+def rss_mb(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None

@@ -32,7 +32,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.server_process import start_server  # noqa: E402
+from scripts.server_process import descendants, rss_mb, start_server  # noqa: E402
 
 # Each must be refused with a 400 (and leave nothing behind).
 BAD_BODIES = [
@@ -48,41 +48,6 @@ BAD_BODIES = [
     b'{"prompt": "x", "stop": 12}',
     b'this is not json',
 ]
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Live processes below `pid` (itself included): pid -> a short name from its argv."""
-    parents, names = {}, {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            argv = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(stat[stat.rindex(")") + 2:].split()[1])
-        names[int(entry.name)] = next(
-            (a.decode() for a in argv if a in (b"tokenizer", b"scheduler")
-             or a.startswith(b"worker")), "server")
-    found, frontier = {pid: names.get(pid, "server")}, [pid]
-    while frontier:
-        p = frontier.pop()
-        for child, parent in parents.items():
-            if parent == p and child not in found:
-                found[child] = names.get(child, "?")
-                frontier.append(child)
-    return found
-
-
-def rss_mb(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
 
 
 class RssSampler(threading.Thread):

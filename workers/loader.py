@@ -100,10 +100,7 @@ def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
             return name
         raise ValueError(f"unexpected checkpoint weight {name}")
     param = params[name]
-    shard = getattr(param, "shard", None)  # tensor parallelism: this rank's part only
-    if shard is not None:
-        tensor = tensor.narrow(*shard)
-    part = getattr(param, "load", None)  # or a parameter's own choice of its part
+    part = getattr(param, "load", None)  # the part a parallel rank holds
     if part is not None:
         tensor = part(tensor)
     if param.shape != tensor.shape:

@@ -79,9 +79,11 @@ class Policy:
         elif self.name == "least_load" or self._imbalanced(replicas):
             chosen = least
         else:
-            best = max(replicas, key=lambda r: (r.index.match(text), -r.in_flight))
-            hit = best.index.match(text)
-            cached = bool(text) and hit >= self.cache_threshold * len(text) and hit > 0
+            # Each replica's match once (a match refreshes its index's LRU order).
+            hit, _, first = max((r.index.match(text), -r.in_flight, -i)
+                                for i, r in enumerate(replicas))
+            best = replicas[-first]
+            cached = hit > 0 and hit >= self.cache_threshold * len(text)
             chosen = best if cached else least
             chosen.prefix_routed += cached and chosen is best
         chosen.index.insert(text)

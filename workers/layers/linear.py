@@ -128,8 +128,8 @@ class PlainWeight(nn.Module):
 
 def shard_on_load(param: torch.Tensor, dim: int, start: int, size: int) -> None:
     """The loader copies only [start, start + size) of the checkpoint's tensor along `dim` into
-    `param` (a tensor-parallel shard)."""
-    param.shard = (dim, start, size)
+    `param` (a tensor-parallel shard), through the parameter's `load` hook."""
+    param.load = lambda tensor: tensor.narrow(dim, start, size)
 
 
 class RowParallelLinear(Linear):
