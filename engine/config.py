@@ -17,10 +17,12 @@ from engine.kv_spec import KVCacheSpec
 from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
-           "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS"]
+           "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
+           "DISAGGREGATION_MODES"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+DISAGGREGATION_MODES = ("none", "prefill", "decode")
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                  "Qwen3MoeForCausalLM")
@@ -87,6 +89,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # one whose text (schema, regex, EBNF, choices) is longer than this many bytes.
     grammar_compile_timeout: float = 20.0
     grammar_max_bytes: int = 65536
+    # Prefill/decode disaggregation (engine/kvcache/transfer.py): "prefill" serves the KV of
+    # finished prompts to decode servers, "decode" pulls it; either still serves ordinary
+    # requests. The workers' transfer sockets bind on kv_transfer_host (reachable by peers).
+    disaggregation_mode: str = "none"
+    kv_transfer_host: str = "127.0.0.1"
+    # Decode: a pull that gets no answer for this long fails its request. Prefill: blocks no
+    # decode server pulled are freed after kv_hold_timeout.
+    kv_transfer_timeout: float = 30.0
+    kv_hold_timeout: float = 120.0
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):
@@ -131,6 +142,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(timeout > 0, f"--grammar-compile-timeout must be positive, got {timeout:g}")
         _require(self.grammar_max_bytes >= 1,
                  f"--grammar-max-bytes must be at least 1, got {self.grammar_max_bytes}")
+
+    def check_disaggregation(self) -> None:
+        """Raise ModelConfigError, naming the flag, for unusable disaggregation settings."""
+        _require(self.disaggregation_mode in DISAGGREGATION_MODES,
+                 f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+                 f"not {self.disaggregation_mode!r}")
+        for flag, value in (("--kv-transfer-timeout", self.kv_transfer_timeout),
+                            ("--kv-hold-timeout", self.kv_hold_timeout)):
+            _require(value > 0, f"{flag} must be positive, got {value:g}")
+        _require(self.disaggregation_mode == "none" or self.enable_prefix_caching,
+                 "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")
 
     def check_parallel(self) -> None:
         """Raise ModelConfigError, naming the flag, when the model cannot be split as asked.

@@ -14,6 +14,7 @@ from engine import model_store
 from engine.config import (
     DEFAULT_MODEL_NAME,
     MAX_SPECULATIVE_TOKENS,
+    DISAGGREGATION_MODES,
     SPECULATIVE_METHODS,
     EngineConfig,
     ModelConfigError,
@@ -56,13 +57,22 @@ _ENGINE_ARGS = [
     ("--ngram-max", int, "ngram: longest n-gram looked up (default 4)"),
     ("--speculative-disable-by-batch-size", int, "no speculation in a step with more running "
      "requests than this (default: no limit)"),
+    ("--disaggregation-mode", str, "prefill/decode disaggregation: prefill (computes prompts and "
+     "serves their KV to decode servers), decode (pulls that KV and continues), none (default)"),
+    ("--kv-transfer-host", str, "address the workers' KV-transfer sockets bind and advertise "
+     "(default 127.0.0.1; use a reachable one across hosts)"),
+    ("--kv-transfer-timeout", float, "decode: seconds a KV pull may go unanswered before its "
+     "request fails (default 30)"),
+    ("--kv-hold-timeout", float, "prefill: seconds a finished prompt's KV waits for a decode "
+     "server to pull it before it is freed (default 120)"),
     ("--grammar-compile-timeout", float, "structured output: seconds a grammar may take to "
      "compile before its request is refused (default 20)"),
     ("--grammar-max-bytes", int, "structured output: longest schema, regex, EBNF or choice list "
      "accepted, in bytes (default 65536)"),
 ]
 # Flags whose values argparse checks (a typo is refused before anything starts).
-_ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS}
+_ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
+                   "--disaggregation-mode": DISAGGREGATION_MODES}
 # On/off switches (--x / --no-x); unset keeps the default.
 _ENGINE_SWITCHES = [
     ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),

@@ -61,6 +61,7 @@ def ensure_config(config: EngineConfig) -> EngineConfig:
     ModelConfigError."""
     config.check_speculative()
     config.check_structured()
+    config.check_disaggregation()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))
     config.check_parallel()
     if config.speculative_method == "draft":
