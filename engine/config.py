@@ -151,8 +151,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for flag, value in (("--kv-transfer-timeout", self.kv_transfer_timeout),
                             ("--kv-hold-timeout", self.kv_hold_timeout)):
             _require(value > 0, f"{flag} must be positive, got {value:g}")
-        _require(self.disaggregation_mode == "none" or self.enable_prefix_caching,
-                 "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")
+        if self.disaggregation_mode != "none":
+            _require(self.enable_prefix_caching,
+                     "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")
+            _require(self.nnodes == 1, "--disaggregation-mode runs on one node per server so "
+                                       "far (not with --nnodes > 1)")
 
     def check_parallel(self) -> None:
         """Raise ModelConfigError, naming the flag, when the model cannot be split as asked.

@@ -50,6 +50,31 @@ class GrammarSpec(msgspec.Struct, **_STRUCT):
         return (self.kind, self.spec)
 
 
+class SampledLogprobs(msgspec.Struct, **_STRUCT):
+    """One sampled position's logprobs as the worker computes them (token ids, no text)."""
+
+    token_id: int
+    logprob: float
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Prefill/decode disaggregation: where a prompt's KV waits on a prefill server, as the
+    prefill server's response gives it (a JSON object) and a decode server takes it back."""
+
+    do_remote_prefill: bool  # what a decode server is asked to do with it (always true)
+    transfer_id: str
+    # The prefill server's workers' transfer sockets, one per rank (tcp://host:port).
+    addresses: list[str] = []
+    # Per KV group, the prefill server's block table (-1: a block it no longer holds).
+    block_ids: list[list[int]]
+    num_tokens: int  # prompt tokens the KV covers
+    block_size: int
+    first_token: int  # the token the prefill sampled after the prompt
+    first_logprobs: SampledLogprobs | None = None
+
+
 class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     """Per-request generation settings (OpenAI names; vLLM-style extensions)."""
 
@@ -72,6 +97,10 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     speculative: bool = True
     # Structured output: every sampled token must keep the output inside this grammar.
     grammar: GrammarSpec | None = None
+    # Prefill/decode disaggregation: on a prefill server, keep the prompt's KV for a decode
+    # server to pull (the finish reports where); on a decode server, pull it from there.
+    remote_decode: bool = False
+    remote_prefill: KVTransferParams | None = None
 
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
@@ -139,6 +168,7 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     prompt_text: str | None = None
     error: str | None = None
     replayed_tokens: int = 0
+    kv_transfer: KVTransferParams | None = None  # a prefill server's held KV (last output)
 
 
 class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
@@ -158,6 +188,15 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     host_blocks_used: int = 0
     host_blocks_out: int = 0  # blocks copied to the host tier (evictions kept)
     host_blocks_in: int = 0  # blocks copied back on a hit
+    # Prefill/decode disaggregation: KV blocks and bytes sent (prefill) or received (decode),
+    # finished transfers, their seconds (sum, and counts per bucket of
+    # engine.kvcache.transfer.LATENCY_BUCKETS), and transfers held or in flight now.
+    kv_transfer_blocks: int = 0
+    kv_transfer_bytes: int = 0
+    kv_transfer_count: int = 0
+    kv_transfer_seconds: float = 0.0
+    kv_transfer_buckets: list[int] = []
+    kv_transfers_pending: int = 0
     spec_verify_steps: int = 0  # (request, step) pairs that verified at least one draft
     spec_draft_tokens: int = 0  # draft tokens proposed and verified
     spec_accepted_tokens: int = 0  # of which the target accepted
@@ -190,15 +229,6 @@ class TokenizedRequest(msgspec.Struct, tag=True, **_STRUCT):
     params: SamplingParams
 
 
-class SampledLogprobs(msgspec.Struct, **_STRUCT):
-    """One sampled position's logprobs as the worker computes them (token ids, no text)."""
-
-    token_id: int
-    logprob: float
-    top_ids: list[int] = []
-    top_logprobs: list[float] = []
-
-
 class TokenDelta(msgspec.Struct, **_STRUCT):
     request_id: str
     token_ids: bytes
@@ -208,6 +238,7 @@ class TokenDelta(msgspec.Struct, **_STRUCT):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (never > prompt_tokens)
     error: str | None = None
     replayed_tokens: int = 0  # recomputed to rebuild sliding windows after a prefix hit
+    kv_transfer: KVTransferParams | None = None  # the KV held for a decode server (prefill)
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_STRUCT):
@@ -224,6 +255,17 @@ class NewRequestInfo(msgspec.Struct, **_STRUCT):
     request_id: str
     prompt_ids: bytes
     params: SamplingParams
+    output_ids: bytes = b""  # tokens it already has (the first, from a prefill server)
+
+
+class KVPull(msgspec.Struct, **_STRUCT):
+    """Decode side: copy a request's prompt KV from a prefill server's blocks into ours.
+    `blocks` per KV group: int32 pairs (remote block, local block)."""
+
+    request_id: str
+    transfer_id: str
+    addresses: list[str]
+    blocks: list[bytes]
 
 
 class ScheduledSeq(msgspec.Struct, **_STRUCT):
@@ -260,6 +302,10 @@ class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
     # int32 pairs (device block, host block), then (host block, device block).
     swap_out: bytes = b""
     swap_in: bytes = b""
+    # Prefill/decode disaggregation: pulls to start (decode side), and transfer ids whose
+    # blocks are no longer held (prefill side: a late pull must not read them).
+    kv_pulls: list[KVPull] = []
+    kv_released: list[str] = []
 
 
 class CompileGrammar(msgspec.Struct, tag=True, **_STRUCT):
@@ -275,6 +321,21 @@ class GrammarReady(msgspec.Struct, tag=True, **_STRUCT):
 
     request_id: str
     error: str | None = None
+
+
+class KVTransferDone(msgspec.Struct, tag=True, **_STRUCT):
+    """A worker rank's KV-transfer thread to its scheduler. Prefill side (sent): a decode
+    server confirmed (or gave up) transfer `transfer_id`. Decode side (received): the pull for
+    `transfer_id` (our request id) ended; `error` when it failed, `cancelled` when the request
+    was aborted meanwhile."""
+
+    transfer_id: str
+    rank: int
+    blocks: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    cancelled: bool = False
 
 
 class Shutdown(msgspec.Struct, tag=True, **_STRUCT):
@@ -314,7 +375,8 @@ class ProcessFailed(msgspec.Struct, tag=True, **_STRUCT):
 
 # What each process's one inbound socket carries.
 TokenizerInbound = GenerateRequest | Abort | TokenBatch  # from the client and the scheduler
-SchedulerInbound = TokenizedRequest | Abort | StepResult | GrammarReady  # tokenizer, rank 0
+# From the tokenizer, worker rank 0 and every rank's KV-transfer thread.
+SchedulerInbound = TokenizedRequest | Abort | StepResult | GrammarReady | KVTransferDone
 WorkerInbound = StepPlan | CompileGrammar | Shutdown  # from the scheduler
 ControlMessage = ProcessReady | ProcessFailed  # children -> launcher
 

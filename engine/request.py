@@ -13,6 +13,7 @@ class Status(enum.Enum):
     WAITING = 1
     RUNNING = 2
     FINISHED = 3
+    RECEIVING = 4  # its prompt's KV is being pulled from a prefill server
 
 
 class Request:

@@ -66,6 +66,9 @@ class ModelRunner:
         self.proposer: Proposer | None = build_proposer(config, self.sampler)
         self.last_hidden: dict[str, torch.Tensor] = {}  # for proposers that read it
         self._grammars: GrammarCompileService | None = None  # with the first structured request
+        # Prefill/decode disaggregation: the transfer connector's worker half, set by the
+        # worker process (workers/kv_transfer/worker.py).
+        self.transfer = None
 
     @property
     def grammars(self) -> GrammarCompileService:
@@ -99,6 +102,8 @@ class ModelRunner:
         if self.connector is not None:
             self.connector.before_forward(
                 plan, self.proposer.copy_blocks if self.proposer is not None else None)
+        if self.transfer is not None:
+            self.transfer.before_forward(plan)
         for rid in plan.finished:
             self.states.pop(rid, None)
             self.last_hidden.pop(rid, None)
@@ -113,6 +118,11 @@ class ModelRunner:
                 grammars = self.grammars
                 state.grammar = grammars.backend.matcher(
                     grammars.take(new.request_id, new.params.grammar))
+            if new.output_ids:  # a decode after a remote prefill: its first token is known
+                first = unpack_ids(new.output_ids).tolist()
+                state.output_ids.extend(first)
+                if state.grammar is not None:
+                    accept(state.grammar, first)
             self.states[new.request_id] = state
 
     def _propose(self, plan: StepPlan, inputs: list[StepInput]
@@ -141,6 +151,8 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
         self._update_states(plan)
+        if not plan.seqs:  # only KV-transfer work in this plan
+            return StepResult(plan.step_id, b"")
         t0 = time.perf_counter()
         inputs = resolve_inputs(plan, self.states, self.groups)
         drafts, requests = self._propose(plan, inputs)

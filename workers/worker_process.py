@@ -42,9 +42,17 @@ def main(ctx: ChildContext) -> None:
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
     decode = msgspec.msgpack.Decoder(WorkerInbound).decode
     encode = msgspec.msgpack.Encoder().encode
+    info = {"num_kv_blocks": str(runner.num_blocks)}
+    if ctx.config.disaggregation_mode != "none":
+        from workers.kv_transfer.worker import KVTransferWorker
+
+        runner.transfer = KVTransferWorker(ctx.config, runner.kv_caches, ctx.zmq, ctx.rank,
+                                           ctx.endpoints.scheduler_in)
+        if runner.transfer.address:
+            info["kv_transfer"] = runner.transfer.address
     log.info("rank %d ready: %d KV blocks, %d threads", ctx.rank, runner.num_blocks,
              torch.get_num_threads())
-    ctx.ready(num_kv_blocks=str(runner.num_blocks))
+    ctx.ready(**info)
     send_lock = threading.Lock()  # grammar answers come from the compile threads
 
     def grammar_ready(request_id: str, error: str | None) -> None:

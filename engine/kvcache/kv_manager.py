@@ -203,6 +203,42 @@ class KVManager:
         req.full_kv_from = hit
         req.num_computed = start
 
+    def remote_window_start(self, num_tokens: int) -> int:
+        """First sliding block a query right after `num_tokens` prompt tokens still sees."""
+        return max(0, num_tokens - self.window + 1) // self.block_size if self.window else 0
+
+    def admit_remote(self, req: Request, remote_tables: list[list[int]]
+                     ) -> list[list[tuple[int, int]]] | None:
+        """Blocks for a request whose prompt KV is on another server (prefill/decode
+        disaggregation), room for the first token included: the full group reuses this
+        server's own prefix cache and a sliding group takes only the window's blocks. Returns
+        per group the (remote, local) block pairs still to copy, or None (nothing held) when
+        they do not fit now."""
+        n = req.num_prompt
+        req.hit_tokens = req.replayed_tokens = 0
+        starts = [0] * len(self.groups)
+        if self.cache is not None:
+            match = self.cache.match(req.prompt_ids, max_tokens=n)
+            self.cache.lock(match)
+            req.cache_node = match.node
+            req.tables[self.full] = list(match.blocks)
+            req.hit_tokens = match.num_tokens
+            starts[self.full] = len(match.blocks)
+        if self.sliding is not None:
+            starts[self.sliding] = self.remote_window_start(n)
+            req.tables[self.sliding] = [-1] * starts[self.sliding]
+        need = self.needs(req, n + 1)
+        if not self.can_allocate(need):
+            self.unmatch_prefix(req)
+            return None
+        self.allocate(req, need)
+        end = self.allocators[0].blocks_for(n)
+        req.num_computed = req.full_kv_from = n
+        req.window_from = starts[self.sliding] * self.block_size if self.sliding is not None else 0
+        req.window_exact, req.snapshot_hit = True, False
+        return [[(remote_tables[g][j], table[j]) for j in range(starts[g], end)]
+                for g, table in enumerate(req.tables)]
+
     def _nearest_snapshot(self, match, hit: int, replay_from: int):
         """(position, snapshot) to resume the sliding layers from: the deepest on the matched
         path at or after `replay_from` (a replay from it costs no more than the budget)."""

@@ -53,6 +53,11 @@ class AsyncEngineClient:
         self._encode = msgspec.msgpack.Encoder().encode
         self._decode = msgspec.msgpack.Decoder(OutputBatch).decode
         self.launcher = Launcher(config, self._endpoints)
+        # Prefill/decode disaggregation: this server's role, and (prefill) where each worker
+        # rank serves KV to decode servers.
+        self.disaggregation_mode = config.disaggregation_mode
+        self.worker_ranks = config.tensor_parallel_size
+        self.kv_transfer_addresses: list[str] = []
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -60,6 +65,9 @@ class AsyncEngineClient:
         """Start the engine processes (blocking work runs in a thread) and the output reader."""
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.launcher.start)
+        self.kv_transfer_addresses = [
+            self.launcher.ready_info[f"worker{r}"].get("kv_transfer", "")
+            for r in range(self.worker_ranks)]
         self._reader = asyncio.create_task(self._read_outputs())
 
         def failed(reason: str) -> None:

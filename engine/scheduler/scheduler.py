@@ -11,9 +11,12 @@ from dataclasses import dataclass, field
 
 from engine.kv_spec import FULL, KVGroup
 from engine.kvcache.kv_manager import KVManager
+from engine.kvcache.transfer import KVTransfer
 from engine.protocol import (
     FinishReason,
+    KVTransferDone,
     NewRequestInfo,
+    SampledLogprobs,
     ScheduledSeq,
     SchedulerStats,
     StepPlan,
@@ -43,6 +46,8 @@ class SchedulerConfig:
     host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
     num_speculative_tokens: int = 0  # draft slots a decode may get (0: no speculation)
     speculative_disable_by_batch_size: int | None = None
+    worker_ranks: int = 1  # every rank reports its KV transfers (disaggregation)
+    kv_hold_timeout: float = 120.0  # prefill: a held prompt's KV is freed after this
 
 
 @dataclass
@@ -78,6 +83,8 @@ class Scheduler:
         self.allocator = self.kv.allocators[0]  # the full group's pool (tests, stats)
         self.spec = SpecPolicy(config.num_speculative_tokens,
                                config.speculative_disable_by_batch_size)
+        # Prefill/decode disaggregation (engine/kvcache/transfer.py): held and pulled KV.
+        self.transfer = KVTransfer(self.kv, config.worker_ranks, config.kv_hold_timeout)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -92,6 +99,11 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens but at most {self.max_len - 1} fit "
                 "(context length and KV cache size)",
             )
+        remote = msg.params.remote_prefill
+        if remote is not None:
+            why = self._check_remote(remote, len(prompt))
+            if why is not None:
+                return self._reject(msg.request_id, f"kv_transfer_params: {why}")
         req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
                       len(self.config.kv_groups))
         self._arrivals += 1
@@ -116,6 +128,25 @@ class Scheduler:
         self.waiting.append(req)
         return TokenDelta(request_id, b"")
 
+    def _check_remote(self, remote, num_prompt: int) -> str | None:
+        """Why a prefill server's KV cannot continue this request here (None: it can)."""
+        if remote.num_tokens != num_prompt:
+            return (f"the prefill server computed {remote.num_tokens} prompt tokens, this "
+                    f"server's prompt has {num_prompt} (a different model or tokenizer?)")
+        if remote.block_size != self.config.block_size:
+            return (f"block_size {remote.block_size} differs from this server's "
+                    f"{self.config.block_size}")
+        if len(remote.block_ids) != len(self.config.kv_groups):
+            return (f"{len(remote.block_ids)} KV groups, this model has "
+                    f"{len(self.config.kv_groups)}")
+        end = self.allocator.blocks_for(num_prompt)
+        window = self.kv.remote_window_start(num_prompt)
+        for g, table in enumerate(remote.block_ids):
+            start = window if g == self.kv.sliding else 0
+            if len(table) < end or any(b < 0 for b in table[start:end]):
+                return f"the prefill server no longer holds every block of KV group {g}"
+        return None
+
     @staticmethod
     def _reject(request_id: str, why: str) -> TokenDelta:
         return TokenDelta(request_id, b"", finish_reason=FinishReason.ERROR, error=why)
@@ -131,20 +162,57 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, reason)
+            else:  # a prefill whose KV waits for a decode server: its client is gone
+                self.transfer.drop(rid)
 
-    def _finish(self, req: Request, reason: FinishReason) -> None:
+    def _finish(self, req: Request, reason: FinishReason,
+                logprobs: SampledLogprobs | None = None) -> TokenDelta | None:
+        """End a request. A prefill for a decode server (stopped after its first token, which
+        `logprobs` describes) keeps its blocks: returns where they are, for its last delta."""
+        held = None
         if req.status == Status.RUNNING:
             self.running.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
+        elif req.status == Status.RECEIVING:
+            self.transfer.abort(req.request_id)  # its blocks go once the ranks stop writing
+            self._finished_for_workers.append(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         if reason != FinishReason.ABORT:
             self.kv.cache_request(req)
-        self.kv.release(req)
+        if reason == FinishReason.LENGTH and req.params.remote_decode and req.tables[0]:
+            held = self.transfer.hold(req, logprobs)
+        elif req.request_id not in self.transfer.receiving:
+            self.kv.release(req)
         del self.requests[req.request_id]
         if req.sent_to_workers:
             self._finished_for_workers.append(req.request_id)
+        return held
+
+    def kv_transfer_done(self, msg: KVTransferDone) -> TokenDelta | None:
+        """A rank's KV-transfer report: the decode side is done with held blocks (prefill), or
+        a pull ended (decode: the request runs from its first token, or fails)."""
+        self.transfer.confirm(msg)
+        done = self.transfer.received(msg)
+        if done is None:
+            return None
+        req, error, aborted = done
+        if aborted:
+            return None
+        if error is not None:
+            del self.requests[req.request_id]
+            return self._reject(req.request_id, f"KV transfer failed: {error}")
+        remote = req.params.remote_prefill
+        req.status = Status.RUNNING
+        self.running.append(req)
+        kept, reason = self._append(req, [remote.first_token])
+        delta = TokenDelta(req.request_id, pack_ids(req.output_ids),
+                           [remote.first_logprobs] if remote.first_logprobs else [], reason,
+                           prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0)
+        if reason is not None:
+            self._finish(req, reason)
+        return delta
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -171,6 +239,7 @@ class Scheduler:
 
 
     def schedule(self) -> ScheduledStep | None:
+        self.transfer.expire()  # held KV no decode server came for
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         chosen: list[tuple[Request, int, int]] = []  # (request, tokens, draft slots)
@@ -205,6 +274,14 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token in flight: recompute once it is known
+            if req.params.remote_prefill is not None and not req.output_ids:
+                # Its prompt's KV is on a prefill server: pull it, compute nothing now.
+                if not self.transfer.admit(req):
+                    break
+                self.waiting.popleft()
+                req.cached_tokens = min(req.hit_tokens, req.num_prompt)
+                req.status = Status.RECEIVING
+                continue
             self.kv.match_prefix(req)
             n = self._chunk(req, budget)
             need = self.kv.needs(req, req.num_computed + n)
@@ -219,7 +296,7 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, 0))
             budget -= n
-        if not chosen:
+        if not chosen and not self.transfer.has_plan():
             return None
         return self._build_plan(chosen)
 
@@ -228,8 +305,10 @@ class Scheduler:
         step = ScheduledStep(StepPlan(self._step_id, []))
         for req, n, draft_slots in chosen:
             if not req.sent_to_workers:
-                step.plan.new_requests.append(
-                    NewRequestInfo(req.request_id, req.prompt_ids.tobytes(), req.params))
+                # A decode after a remote prefill already has its first token.
+                step.plan.new_requests.append(NewRequestInfo(
+                    req.request_id, req.prompt_ids.tobytes(), req.params,
+                    pack_ids(req.output_ids[:1]) if req.params.remote_prefill else b""))
                 req.sent_to_workers = True
             start = req.num_computed
             if req.num_pending:
@@ -257,6 +336,7 @@ class Scheduler:
             step.plan.swap_out = pack_ids(swap_out)
         if swap_in:
             step.plan.swap_in = pack_ids(swap_in)
+        step.plan.kv_pulls, step.plan.kv_released = self.transfer.take_plan()
         step.plan.finished = self._finished_for_workers
         self._finished_for_workers = []
         return step
@@ -287,13 +367,14 @@ class Scheduler:
                 # the rejected slots' blocks go back.
                 req.num_computed = seq.start_pos + 1 + min(n - 1, kept)
                 self.kv.trim(req, req.num_tokens)
-            deltas.append(TokenDelta(
+            delta = TokenDelta(
                 req.request_id, pack_ids(new[:kept]), [lp for lp in logprobs[:kept] if lp],
                 reason, prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0,
                 replayed_tokens=req.replayed_tokens,
-            ))
+            )
+            deltas.append(delta)
             if reason is not None:
-                self._finish(req, reason)
+                delta.kv_transfer = self._finish(req, reason, logprobs[0] if logprobs else None)
         return deltas
 
     def _append(self, req: Request, new) -> tuple[int, FinishReason | None]:
@@ -324,6 +405,12 @@ class Scheduler:
             host_blocks_used=self.kv.host.num_used if self.kv.host else 0,
             host_blocks_out=self.kv.host.blocks_out if self.kv.host else 0,
             host_blocks_in=self.kv.host.blocks_in if self.kv.host else 0,
+            kv_transfer_blocks=self.transfer.counters.blocks,
+            kv_transfer_bytes=self.transfer.counters.bytes,
+            kv_transfer_count=self.transfer.counters.count,
+            kv_transfer_seconds=self.transfer.counters.seconds,
+            kv_transfer_buckets=list(self.transfer.counters.buckets),
+            kv_transfers_pending=self.transfer.pending,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
             prompt_tokens_total=self.prompt_tokens_total,

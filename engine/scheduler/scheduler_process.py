@@ -20,6 +20,7 @@ from engine.protocol import (
     Abort,
     CompileGrammar,
     GrammarReady,
+    KVTransferDone,
     SchedulerInbound,
     Shutdown,
     StepResult,
@@ -52,6 +53,8 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         host_blocks=cfg.host_kv_blocks(),
         num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative_method else 0,
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
+        worker_ranks=cfg.tensor_parallel_size,
+        kv_hold_timeout=cfg.kv_hold_timeout,
     ))
 
 
@@ -86,8 +89,9 @@ class SchedulerLoop:
             if step is not None:
                 self._send_workers(step.plan)
             if in_flight is None and step is None and self.scheduler.has_work():
-                # Nothing fits and nothing runs: only a new message can change that.
-                self.pending.append(self.decode(self.inbound.recv()))
+                # Nothing fits and nothing runs: only a new message (or a held prompt's KV
+                # timing out) can change that.
+                self.pending.extend(self._wait_message())
             if in_flight is not None:
                 self._finish_step(in_flight)
             if step is not None and not self.overlap:
@@ -98,10 +102,21 @@ class SchedulerLoop:
     def _drain(self, block: bool) -> list:
         msgs, self.pending = self.pending, []
         if block:
-            msgs.append(self.decode(self.inbound.recv()))  # idle: block, never spin
+            msgs.extend(self._wait_message())  # idle: block, never spin
         while self.inbound.poll(0):
             msgs.append(self.decode(self.inbound.recv(zmq.NOBLOCK)))
         return msgs
+
+    def _wait_message(self) -> list:
+        """The next message; none when a held prompt's KV times out first (prefill side)."""
+        deadline = self.scheduler.transfer.next_deadline()
+        if deadline is not None:
+            timeout_ms = max(0, int((deadline - time.monotonic()) * 1000)) + 1
+            if not self.inbound.poll(timeout_ms):
+                self.scheduler.transfer.expire()
+                self.to_tokenizer.send(self.encode(TokenBatch([], self._stats())))
+                return []
+        return [self.decode(self.inbound.recv())]
 
     def _handle(self, msgs: list) -> None:
         if not msgs:
@@ -122,6 +137,10 @@ class SchedulerLoop:
                 self.scheduler.abort(msg.request_ids, msg.reason)
             elif isinstance(msg, StepResult):
                 self.results[msg.step_id] = msg
+            elif isinstance(msg, KVTransferDone):
+                delta = self.scheduler.kv_transfer_done(msg)
+                if delta is not None:
+                    deltas.append(delta)
         # Always report: rejections, and freed blocks after aborts, show up right away.
         self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
 

@@ -135,6 +135,11 @@ class TokenizerService:
         live.completion_tokens += len(ids)
         finish = delta.finish_reason
         stop_hit = live.detok.stopped and finish is None
+        kv_transfer = delta.kv_transfer
+        if kv_transfer is not None and live.detok.stopped:
+            # A stop string ended it for good: no decode server continues it, and the scheduler
+            # frees the KV it held for one.
+            kv_transfer, stop_hit = None, True
         if live.detok.stopped:
             finish = FinishReason.STOP
         text = live.detok.take(final=finish is not None)
@@ -157,6 +162,7 @@ class TokenizerService:
             cached_tokens=delta.cached_tokens,
             error=delta.error,
             replayed_tokens=delta.replayed_tokens,
+            kv_transfer=kv_transfer,
         )
         if finish is not None:
             del self.live[delta.request_id]

@@ -17,6 +17,7 @@ import msgspec
 from engine.protocol import (
     FinishReason,
     GenerateRequest,
+    KVTransferParams,
     PositionLogprobs,
     RequestOutput,
     SamplingParams,
@@ -31,7 +32,7 @@ _INT64_HALF = 1 << 63
 
 def engine_error(state: ServerState, message: str, param: str | None) -> APIError:
     """An error output of the engine: the engine's fault (503) or the request's (400)."""
-    if state.engine_dead or message.startswith("engine failed"):
+    if state.engine_dead or message.startswith(("engine failed", "KV transfer failed")):
         return server_error(message)
     code = "context_length_exceeded" if "context length" in message else None
     return APIError(message, param=param, code=code)
@@ -155,6 +156,7 @@ class ChoiceResult:
         self.text: list[str] = []
         self.logprobs: list[PositionLogprobs] = []
         self.finish_reason: str | None = None
+        self.kv_transfer: KVTransferParams | None = None  # held for a decode server
 
 
 async def collect(gen: Generation) -> list[ChoiceResult]:
@@ -169,6 +171,7 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
             r.logprobs.extend(out.logprobs)
             if out.finish_reason is not None:
                 r.finish_reason = FinishReason(out.finish_reason).openai()
+                r.kv_transfer = out.kv_transfer
     return results
 
 

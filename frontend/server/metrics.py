@@ -16,8 +16,15 @@ from prometheus_client import (
     Histogram,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 from prometheus_client.registry import Collector
+
+from engine.kvcache.transfer import LATENCY_BUCKETS
 
 if TYPE_CHECKING:
     from engine.protocol import SchedulerStats
@@ -56,6 +63,9 @@ class EngineStatsCollector(Collector):
             "deepinfer_host_kv_blocks_used": ("host-tier blocks in use", s.host_blocks_used),
             "deepinfer_swa_snapshots": ("sliding-window snapshots held by the prefix cache",
                                         s.swa_snapshots),
+            "deepinfer_kv_transfers_pending": (
+                "KV transfers under way: prompts held for a decode server (prefill) or being "
+                "pulled (decode)", s.kv_transfers_pending),
         }
         for name, (doc, value) in gauges.items():
             g = GaugeMetricFamily(name, doc)
@@ -91,6 +101,27 @@ class EngineStatsCollector(Collector):
             phases.add_metric([phase], float(getattr(s, f"{phase}_seconds")))
         yield phases
         yield from _spec_decode_metrics(s)
+        yield from _kv_transfer_metrics(s)
+
+
+def _kv_transfer_metrics(s: SchedulerStats) -> Iterator[Metric]:
+    """Prefill/decode disaggregation: what moved (sent by a prefill server, received by a
+    decode server) and how long each transfer took (first read to release)."""
+    for name, doc, value in (
+            ("deepinfer_kv_transfer_blocks", "KV blocks transferred", s.kv_transfer_blocks),
+            ("deepinfer_kv_transfer_bytes", "KV bytes transferred (all ranks)",
+             s.kv_transfer_bytes)):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(value))
+        yield c
+    counts = s.kv_transfer_buckets or [0] * (len(LATENCY_BUCKETS) + 1)
+    cumulative, total = [], 0
+    for bound, count in zip((*map(str, LATENCY_BUCKETS), "+Inf"), counts):
+        total += count
+        cumulative.append((bound, float(total)))
+    h = HistogramMetricFamily("deepinfer_kv_transfer_seconds", "seconds per KV transfer")
+    h.add_metric([], cumulative, sum_value=s.kv_transfer_seconds)
+    yield h
 
 
 def _spec_decode_metrics(s: SchedulerStats) -> Iterator[Metric]:

@@ -71,6 +71,8 @@ class ChatCompletion(msgspec.Struct):
     usage: Usage
     object: str = "chat.completion"
     system_fingerprint: str | None = None
+    # A prefill server's answer: where the prompt's KV waits (frontend/server/kv_transfer.py).
+    kv_transfer_params: dict | msgspec.UnsetType = msgspec.UNSET
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
@@ -138,6 +140,7 @@ class Completion(msgspec.Struct):
     usage: Usage | None = None
     object: str = "text_completion"
     system_fingerprint: str | None = None
+    kv_transfer_params: dict | msgspec.UnsetType = msgspec.UNSET
 
 
 # ---------------------------------------------------------------- models

@@ -71,6 +71,8 @@ class _SamplingFields(msgspec.Struct, **_REQ):
     guided_choice: list[Any] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    # Prefill/decode disaggregation (frontend/server/kv_transfer.py).
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(_SamplingFields, **_REQ):

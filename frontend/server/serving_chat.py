@@ -21,6 +21,7 @@ from frontend.server.http_io import (
     run_until_disconnect,
     sse_event,
 )
+from frontend.server.kv_transfer import apply_kv_transfer, response_params
 from frontend.server.logprobs import chat_logprobs
 from frontend.server.openai_responses import (
     ChatChoice,
@@ -56,6 +57,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = chat_messages(req.messages)
     rendered_tools = tools.render_tools() if tools is not None else None
     n = req.n or 1
+    params = apply_kv_transfer(req.kv_transfer_params, params, state, n, bool(req.stream))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     add_prompt = req.add_generation_prompt is not False
     engine_requests = [
@@ -89,7 +91,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             logprobs=chat_logprobs(r.logprobs) if req.logprobs else None,
             finish_reason=_finish_reason(r.finish_reason, bool(calls)),
         ))
-    body = ChatCompletion(rid, created, state.model_name, choices, gen.usage(n))
+    body = ChatCompletion(rid, created, state.model_name, choices, gen.usage(n),
+                          kv_transfer_params=response_params(results[0].kv_transfer, state))
     return Response(_encode(body), media_type="application/json")
 
 

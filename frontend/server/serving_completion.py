@@ -20,6 +20,7 @@ from frontend.server.http_io import (
     run_until_disconnect,
     sse_event,
 )
+from frontend.server.kv_transfer import apply_kv_transfer, response_params
 from frontend.server.logprobs import completion_logprobs
 from frontend.server.openai_responses import Completion, CompletionChoice
 from frontend.server.openai_schema import CompletionRequest, decode_completion
@@ -53,6 +54,8 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
                                grammar_spec(req, state.grammar_max_bytes))
     prompts = completion_prompts(req)
     n = req.n or 1
+    params = apply_kv_transfer(req.kv_transfer_params, params, state, n * len(prompts),
+                               bool(req.stream))
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, "completions", _engine_requests(rid, prompts, params, n), "prompt")
     try:
@@ -73,7 +76,8 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         if req.logprobs is not None:
             logprobs = completion_logprobs(r.logprobs, offset=len(echoes[i]))
         choices.append(CompletionChoice(i, echoes[i] + "".join(r.text), logprobs, r.finish_reason))
-    out = Completion(rid, created, state.model_name, choices, usage=gen.usage(n))
+    out = Completion(rid, created, state.model_name, choices, usage=gen.usage(n),
+                     kv_transfer_params=response_params(results[0].kv_transfer, state))
     return Response(_encode(out), media_type="application/json")
 
 

@@ -1,0 +1,65 @@
+"""Prefill/decode disaggregation at the API: the `kv_transfer_params` request field (vLLM's
+name) and the one a prefill server's response carries.
+
+- `{"do_remote_decode": true}` to a `--disaggregation-mode prefill` server: compute the prompt and
+  its first token only (max_tokens becomes 1) and keep the KV; the response's
+  `kv_transfer_params` says where it is (absent when the request ended for good on that token).
+- That object, verbatim (it says `"do_remote_prefill": true`), to a `--disaggregation-mode
+  decode` server with the original request: pull the KV and continue; the response is the
+  whole ordinary one, first token included.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from engine.protocol import KVTransferParams, SamplingParams
+from frontend.server.errors import APIError
+from frontend.server.state import ServerState
+
+_PARAM = "kv_transfer_params"
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise APIError(f"{_PARAM}: {message}", param=_PARAM)
+
+
+def apply_kv_transfer(raw: dict[str, Any] | None, params: SamplingParams, state: ServerState,
+                      n: int, stream: bool) -> SamplingParams:
+    """`params` with the request's disaggregation role; a 400 naming the field when this
+    server cannot play it."""
+    if not raw:
+        return params
+    mode = getattr(state.client, "disaggregation_mode", "none")
+    if raw.get("do_remote_decode"):
+        _check(mode == "prefill", "do_remote_decode needs a server started with "
+                                  "--disaggregation-mode prefill")
+        _check(n == 1, "do_remote_decode takes one choice (n = 1)")
+        _check(not stream, "do_remote_decode answers once: stream must be false")
+        return msgspec.structs.replace(params, remote_decode=True, max_tokens=1)
+    if raw.get("do_remote_prefill"):
+        _check(mode == "decode", "do_remote_prefill needs a server started with "
+                                 "--disaggregation-mode decode")
+        _check(n == 1, "do_remote_prefill takes one choice (n = 1)")
+        try:
+            remote = msgspec.convert(raw, KVTransferParams)
+        except msgspec.ValidationError as exc:
+            raise APIError(f"{_PARAM}: {exc}", param=_PARAM) from None
+        ranks = state.client.worker_ranks
+        _check(len(remote.addresses) == ranks,
+               f"the prefill server has {len(remote.addresses)} worker ranks, this one {ranks} "
+               "(their --tensor-parallel-size must match)")
+        return msgspec.structs.replace(params, remote_prefill=remote)
+    return params
+
+
+def response_params(held: KVTransferParams | None, state: ServerState
+                    ) -> dict[str, Any] | msgspec.UnsetType:
+    """A prefill server's answer: where its workers hold the prompt's KV."""
+    if held is None:
+        return msgspec.UNSET
+    return msgspec.to_builtins(msgspec.structs.replace(
+        held, addresses=list(state.client.kv_transfer_addresses)))

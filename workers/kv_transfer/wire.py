@@ -1,0 +1,53 @@
+"""What crosses between two servers' worker ranks during a KV transfer (ZeroMQ multipart).
+
+A decode rank's DEALER asks the matching prefill rank's ROUTER to `Read` blocks; the answer is a
+`ReadReply` frame followed by one raw frame per cache tensor of each KV group (the blocks back to
+back, in the order asked). `Release` says the decode side is done (or gave up): the prefill
+server may free the blocks. A sender's address carries a nonce after '#', so a pull aimed at a
+server that has restarted since is refused instead of reading someone else's blocks.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from engine.kv_spec import KVCacheSpec
+
+
+class Read(msgspec.Struct, tag=True, array_like=True):
+    seq: int  # echoed in the reply: a late reply to an abandoned read is recognised
+    nonce: str
+    transfer_id: str
+    blocks: list[bytes]  # per KV group: int32 block ids on the sender
+
+
+class Release(msgspec.Struct, tag=True, array_like=True):
+    transfer_id: str
+    cancelled: bool = False
+
+
+class ReadReply(msgspec.Struct, array_like=True):
+    seq: int
+    error: str | None = None
+
+
+ToSender = Read | Release
+
+
+def split_address(address: str) -> tuple[str, str]:
+    """'tcp://host:port#nonce' -> (ZeroMQ endpoint, nonce)."""
+    endpoint, _, nonce = address.partition("#")
+    return endpoint, nonce
+
+
+def group_tensors(spec: KVCacheSpec, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+                  ) -> list[list[torch.Tensor]]:
+    """Per KV group, the cache tensors a block spans (empty ones left out), in a fixed order
+    both sides derive from the same spec."""
+    return [[t for i in g.layers for t in kv_caches[i] if t.numel()] for g in spec.groups()]
+
+
+def as_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU copy's raw bytes (any dtype, bfloat16 included)."""
+    return memoryview(t.contiguous().cpu().view(torch.uint8).numpy()).cast("B")
