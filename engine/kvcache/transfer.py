@@ -74,6 +74,7 @@ class KVTransfer:
         self.receiving: dict[str, _Receiving] = {}  # decode side, by request id
         self.counters = TransferCounters()
         self._pulls: list[KVPull] = []
+        self._cancels: list[str] = []  # requests whose pulls the ranks must stop
         self._released: list[str] = []
         self.expired = 0  # holds freed because no decode server came for them
 
@@ -82,13 +83,15 @@ class KVTransfer:
         return len(self.held) + len(self.receiving)
 
     def has_plan(self) -> bool:
-        """Pulls wait to be sent (a plan goes out for them even with nothing to compute)."""
-        return bool(self._pulls)
+        """Pulls to start or stop wait to be sent (a plan goes out for them even with nothing
+        to compute)."""
+        return bool(self._pulls or self._cancels)
 
-    def take_plan(self) -> tuple[list[KVPull], list[str]]:
-        pulls, released = self._pulls, self._released
-        self._pulls, self._released = [], []
-        return pulls, released
+    def take_plan(self) -> tuple[list[KVPull], list[str], list[str]]:
+        """(pulls to start, requests whose pulls stop, transfer ids released)."""
+        out = self._pulls, self._cancels, self._released
+        self._pulls, self._cancels, self._released = [], [], []
+        return out
 
     # ------------------------------------------------------------------ prefill side
 
@@ -148,6 +151,7 @@ class KVTransfer:
     def abort(self, request_id: str) -> None:
         """Its client went away: the ranks cancel the pull; blocks go once they all report."""
         self.receiving[request_id].aborted = True
+        self._cancels.append(request_id)
 
     def received(self, msg: KVTransferDone) -> tuple[Request, str | None, bool] | None:
         """A rank's pull ended; once every rank's has: (request, error, aborted), its blocks

@@ -176,7 +176,6 @@ class Scheduler:
             self.waiting.remove(req)
         elif req.status == Status.RECEIVING:
             self.transfer.abort(req.request_id)  # its blocks go once the ranks stop writing
-            self._finished_for_workers.append(req.request_id)
         req.status = Status.FINISHED
         req.finish_reason = reason
         if reason != FinishReason.ABORT:
@@ -336,8 +335,8 @@ class Scheduler:
             step.plan.swap_out = pack_ids(swap_out)
         if swap_in:
             step.plan.swap_in = pack_ids(swap_in)
-        step.plan.kv_pulls, step.plan.kv_released = self.transfer.take_plan()
-        step.plan.finished = self._finished_for_workers
+        step.plan.kv_pulls, cancels, step.plan.kv_released = self.transfer.take_plan()
+        step.plan.finished = self._finished_for_workers + cancels
         self._finished_for_workers = []
         return step
 
