@@ -171,6 +171,11 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     kv_transfer: KVTransferParams | None = None  # a prefill server's held KV (last output)
 
 
+# Bounds (seconds) of the KV-transfer latency histogram (SchedulerStats.kv_transfer_buckets).
+KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                       10.0, 30.0)
+
+
 class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     """A snapshot the scheduler publishes after each step (for /metrics and tests)."""
 
@@ -190,7 +195,7 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     host_blocks_in: int = 0  # blocks copied back on a hit
     # Prefill/decode disaggregation: KV blocks and bytes sent (prefill) or received (decode),
     # finished transfers, their seconds (sum, and counts per bucket of
-    # engine.kvcache.transfer.LATENCY_BUCKETS), and transfers held or in flight now.
+    # KV_TRANSFER_BUCKETS), and transfers held or in flight now.
     kv_transfer_blocks: int = 0
     kv_transfer_bytes: int = 0
     kv_transfer_count: int = 0

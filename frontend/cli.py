@@ -13,8 +13,8 @@ import sys
 from engine import model_store
 from engine.config import (
     DEFAULT_MODEL_NAME,
-    MAX_SPECULATIVE_TOKENS,
     DISAGGREGATION_MODES,
+    MAX_SPECULATIVE_TOKENS,
     SPECULATIVE_METHODS,
     EngineConfig,
     ModelConfigError,
@@ -100,12 +100,14 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
-def engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(model=args.model, **engine_kwargs(args))
+def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
+    return EngineConfig(model=args.model, **(engine_kwargs(args) | overrides))
 
 
-def _replica_args(args: argparse.Namespace, model: str) -> list[str]:
-    """`deepinfer serve` flags for one data-parallel replica: the engine's, as given."""
+def _replica_args(args: argparse.Namespace, model: str,
+                  skip: tuple[str, ...] = ("worker_threads",)) -> list[str]:
+    """`deepinfer serve` flags for one local server behind the router: the engine's as given,
+    but those in `skip`, which the topology sets per server."""
     out = ["--model", model, "--max-pending", str(args.max_pending), "--log-level",
            args.log_level]
     switches = {f[2:].replace("-", "_") for f, _ in _ENGINE_SWITCHES}
@@ -113,7 +115,7 @@ def _replica_args(args: argparse.Namespace, model: str) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if name in switches:
             out.append(flag if value else f"--no-{flag[2:]}")
-        elif name != "worker_threads":
+        elif name not in skip:
             out += [flag, str(value)]
     return out
 
@@ -121,7 +123,10 @@ def _replica_args(args: argparse.Namespace, model: str) -> list[str]:
 def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
-    config = model_store.ensure_config(engine_config(args))
+    disaggregated = bool(args.prefill_servers)
+    # Checked as the local servers will run: each with a role (it needs the prefix cache).
+    overrides = {"disaggregation_mode": "prefill"} if disaggregated else {}
+    config = model_store.ensure_config(engine_config(args, **overrides))
     if config.node_rank > 0:  # this node only runs worker ranks
         from engine.runtime.worker_node import run_worker_node
 
@@ -133,17 +138,56 @@ def _serve(args: argparse.Namespace) -> int:
         return serve_data_parallel(_replica_args(args, config.model), args.data_parallel_size,
                                    args.host, args.port, Policy(args.policy),
                                    config.worker_threads, resolve_api_key(args.api_key))
+    if disaggregated:
+        from frontend.router.policy import Policy
+        from frontend.router.server import serve_disaggregated
+
+        server_args = _replica_args(args, config.model, ("worker_threads", "disaggregation_mode"))
+        return serve_disaggregated(server_args, args.prefill_servers, args.decode_servers,
+                                   args.host, args.port, Policy(args.policy),
+                                   config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout)
 
 
 def _router(args: argparse.Namespace) -> int:
     from frontend.router.policy import Policy
-    from frontend.router.server import run_router
+    from frontend.router.server import run_pd_router, run_router
 
     policy = Policy(args.policy, args.cache_threshold, args.balance_abs_threshold)
+    if args.prefill:
+        return run_pd_router(args.prefill, args.decode, args.host, args.port, policy,
+                             args.health_interval, args.log_level, resolve_api_key(args.api_key))
     return run_router(args.worker, args.host, args.port, policy, args.health_interval,
                       args.log_level, resolve_api_key(args.api_key))
+
+
+def usage_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with a combination of flags that argparse cannot see alone (None: all
+    is well); checked before anything starts."""
+    if args.command == "router":
+        dp, prefill, decode = args.worker or [], args.prefill or [], args.decode or []
+        if dp and (prefill or decode):
+            return ("router: --worker (data parallel) and --prefill/--decode (prefill/decode "
+                    "disaggregation) are two modes: choose one")
+        if not (dp or prefill or decode):
+            return ("router: give --worker URL for each replica, or --prefill URL and --decode "
+                    "URL for each prefill and decode server")
+        if bool(prefill) != bool(decode):
+            return "router: --prefill and --decode go together: a request needs one of each"
+        if {u.rstrip("/") for u in prefill} & {u.rstrip("/") for u in decode}:
+            return "router: a server is either a --prefill or a --decode server, not both"
+    if args.command == "serve":
+        prefill, decode = args.prefill_servers, args.decode_servers
+        if min(prefill, decode) < 0:
+            return "--prefill-servers and --decode-servers must not be negative"
+        if (prefill or decode) and not (prefill and decode):
+            return ("--prefill-servers and --decode-servers go together: at least 1 of each "
+                    "(a request needs both)")
+        if (prefill or decode) and args.data_parallel_size > 1:
+            return ("--prefill-servers/--decode-servers and --data-parallel-size are two "
+                    "topologies: choose one")
+    return None
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -201,19 +245,34 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-parallel-size", type=int, default=1,
                        help="replicas of the whole engine, each on its own local port, behind "
                             "a router on --port (default 1: no router)")
+    serve.add_argument("--prefill-servers", type=int, default=0, metavar="N",
+                       help="prefill/decode disaggregation on this machine: N prefill servers "
+                            "and --decode-servers M decode servers, each on its own local port, "
+                            "behind a router on --port (default 0: off)")
+    serve.add_argument("--decode-servers", type=int, default=0, metavar="M",
+                       help="with --prefill-servers: the decode servers (default 0)")
     serve.add_argument("--policy", choices=POLICIES, default="cache_aware",
-                       help="with --data-parallel-size: how the router places requests")
+                       help="with --data-parallel-size: how the router places requests (with "
+                            "--prefill-servers: on the prefill servers)")
     serve.set_defaults(func=_serve)
 
     router = sub.add_parser("router", help="route requests over running `deepinfer serve` "
-                                           "replicas (data parallelism)")
+                                           "replicas (data parallelism), or over prefill and "
+                                           "decode servers (disaggregation)")
     router.add_argument("--host", default="127.0.0.1")
     router.add_argument("--port", type=int, default=8000)
-    router.add_argument("--worker", action="append", required=True, metavar="URL",
+    router.add_argument("--worker", action="append", metavar="URL",
                         help="a replica's base URL (http://host:port); repeat for each")
+    router.add_argument("--prefill", action="append", metavar="URL",
+                        help="instead of --worker: a prefill server's base URL (`deepinfer serve "
+                             "--disaggregation-mode prefill`); repeat for each; needs --decode")
+    router.add_argument("--decode", action="append", metavar="URL",
+                        help="a decode server's base URL (`--disaggregation-mode decode`); "
+                             "repeat for each; requests go to the least loaded")
     router.add_argument("--policy", choices=POLICIES, default="cache_aware",
                         help="cache_aware (default): the replica holding the longest cached "
-                             "prefix unless the load is out of balance; round_robin; least_load")
+                             "prefix unless the load is out of balance; round_robin; least_load "
+                             "(with --prefill: how prefill servers are chosen)")
     router.add_argument("--cache-threshold", type=float, default=0.5,
                         help="cache_aware: the share of the prompt a replica's cached prefix "
                              "must cover to win (default 0.5)")
@@ -259,7 +318,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    problem = usage_problem(args)
+    if problem:
+        parser.error(problem)  # `deepinfer: error: ...`, exit code 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args) or 0)

@@ -20,12 +20,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(serve_args: list[str], timeout: float = 600.0) -> tuple[subprocess.Popen, str]:
-    """`deepinfer serve *serve_args` on a free local port, in its own process group (stop it
-    with os.killpg(proc.pid, SIGTERM)); returns the process and its base URL once healthy."""
+def start_server(serve_args: list[str], timeout: float = 600.0,
+                 command: str = "serve") -> tuple[subprocess.Popen, str]:
+    """`deepinfer serve *serve_args` (or another `command`: router) on a free local port, in its
+    own process group (stop it with os.killpg(proc.pid, SIGTERM)); returns the process and its
+    base URL once healthy."""
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", *serve_args, "--port", str(port),
+        [sys.executable, "-m", "frontend.cli", command, *serve_args, "--port", str(port),
          "--log-level", "warning"], cwd=REPO, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env=dict(os.environ, PYTHONPATH=str(REPO)))
@@ -39,7 +41,7 @@ def start_server(serve_args: list[str], timeout: float = 600.0) -> tuple[subproc
         except OSError:
             time.sleep(0.5)
     proc.kill()
-    raise RuntimeError(f"deepinfer serve {' '.join(serve_args)} did not start")
+    raise RuntimeError(f"deepinfer {command} {' '.join(serve_args)} did not start")
 
 
 def descendants(pid: int) -> dict[int, str]:

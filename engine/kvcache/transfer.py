@@ -22,12 +22,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.kvcache.kv_manager import KVManager
-from engine.protocol import KVPull, KVTransferDone, KVTransferParams, SampledLogprobs, pack_ids
+from engine.protocol import (
+    KV_TRANSFER_BUCKETS,
+    KVPull,
+    KVTransferDone,
+    KVTransferParams,
+    SampledLogprobs,
+    pack_ids,
+)
 from engine.request import Request
-
-# Transfer latency histogram bounds (seconds) for /metrics.
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-                   30.0)
 
 
 @dataclass
@@ -50,7 +53,7 @@ class TransferCounters:
     bytes: int = 0
     count: int = 0
     seconds: float = 0.0
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(LATENCY_BUCKETS) + 1))
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(KV_TRANSFER_BUCKETS) + 1))
 
     def record(self, reports: dict[int, KVTransferDone]) -> None:
         """One finished transfer, as every rank reported it (bytes add up over ranks)."""
@@ -60,7 +63,7 @@ class TransferCounters:
         seconds = max(r.seconds for r in reports.values())
         self.count += 1
         self.seconds += seconds
-        self.buckets[bisect.bisect_left(LATENCY_BUCKETS, seconds)] += 1
+        self.buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
 
 
 class KVTransfer:
@@ -99,9 +102,9 @@ class KVTransfer:
         """Keep a finished request's blocks for a decode server; returns where they are."""
         self.held[req.request_id] = _Held(req, self.clock() + self.hold_timeout)
         return KVTransferParams(
-            do_remote_prefill=True, transfer_id=req.request_id, block_ids=[list(t) for t in req.tables],
-            num_tokens=req.num_prompt, block_size=self.kv.block_size,
-            first_token=req.output_ids[0], first_logprobs=logprobs)
+            do_remote_prefill=True, transfer_id=req.request_id,
+            block_ids=[list(t) for t in req.tables], num_tokens=req.num_prompt,
+            block_size=self.kv.block_size, first_token=req.output_ids[0], first_logprobs=logprobs)
 
     def confirm(self, msg: KVTransferDone) -> None:
         """A rank's report that the decode side is done with a transfer."""

@@ -6,7 +6,8 @@ and its response passes through unchanged, streamed or not. A replica that canno
 that answers 5xx before the client has received a byte, is skipped and the request retried on
 another one; a stream that breaks after its first bytes ends with an error event. A background
 task polls every replica's /health; failing ones leave the rotation until they answer again.
-/metrics shows placement and load per replica.
+/metrics shows placement and load per replica. The prefill/decode router (pd.py) is this one with
+two pools: it shares the health loop, `place` (choose, forward, retry) and the streaming relay.
 """
 
 from __future__ import annotations
@@ -41,6 +42,21 @@ def routing_text(path: str, payload: object) -> str:
         return json.dumps(messages, sort_keys=True, ensure_ascii=False)[:-1] if messages else ""
     prompt = payload.get("prompt")
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def json_or_none(body: bytes) -> object:
+    """The request body parsed, or None when it is no JSON (a replica answers it with its own
+    400)."""
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
+
+
+def forward_headers(request: Request) -> dict[str, str]:
+    """The client's headers a replica gets: the body's type, the API key, what it accepts."""
+    return {k: v for k, v in request.headers.items()
+            if k.lower() in ("content-type", "authorization", "accept")}
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -96,32 +112,39 @@ class Router:
     # ------------------------------------------------------------------ proxy
 
     async def proxy(self, request: Request) -> Response:
-        path = request.url.path
-        if not authorized(self.api_key, path, request.headers.get("authorization")):
+        if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
             return JSONResponse(UNAUTHORIZED, status_code=401)
         body = await request.body()
-        try:
-            payload = json.loads(body)
-        except ValueError:
-            payload = None  # a replica answers it with its own 400
-        text = routing_text(path, payload)
+        payload = json_or_none(body)
+        path = request.url.path
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
-        headers = {k: v for k, v in request.headers.items()
-                   if k.lower() in ("content-type", "authorization", "accept")}
+        response = await self.place(self.replicas, self.policy, routing_text(path, payload),
+                                    path, body, forward_headers(request), stream)
+        return self.unavailable(self.replicas) if response is None else response
+
+    async def place(self, pool: list[Replica], policy: Policy, text: str, path: str,
+                    body: bytes, headers: dict, stream: bool) -> Response | None:
+        """POST `body` to the replica of `pool` that `policy` picks for `text`, and return its
+        response; one that fails before answering is skipped and the next one tried. None when
+        no replica of `pool` could take the request."""
         tried: set[str] = set()
         while True:
-            candidates = [r for r in self.replicas if r.healthy and r.url not in tried]
-            replica = self.policy.choose(text, candidates)
+            candidates = [r for r in pool if r.healthy and r.url not in tried]
+            replica = policy.choose(text, candidates)
             if replica is None:
-                self.failed.inc()
-                return error(503, "no replica could take the request" if tried
-                             else "no healthy replica")
+                return None
             tried.add(replica.url)
             self.placed.labels(replica.url).inc()
             response = await self._forward(replica, path, body, headers, stream)
             if response is not None:
                 return response
             self.retries.inc()
+
+    def unavailable(self, pool: list[Replica]) -> JSONResponse:
+        self.failed.inc()
+        if any(r.healthy for r in pool):  # healthy, yet each answered 5xx
+            return error(503, "no replica could take the request")
+        return error(503, "no healthy replica")
 
     async def _forward(self, replica: Replica, path: str, body: bytes, headers: dict,
                        stream: bool) -> Response | None:

@@ -1,8 +1,10 @@
-"""Run the router (`deepinfer router`), or N replicas and the router in one command
-(`deepinfer serve --data-parallel-size N`)."""
+"""Run the router (`deepinfer router`), or local servers and the router in one command:
+N replicas (`deepinfer serve --data-parallel-size N`) or N prefill and M decode servers
+(`deepinfer serve --prefill-servers N --decode-servers M`)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -11,22 +13,37 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import uvicorn
 
 from frontend.router.app import Router, build_router_app
+from frontend.router.pd import PDRouter
 from frontend.router.policy import Policy
 
 log = logging.getLogger("deepinfer.router")
 
 
+def _run(router: Router, host: str, port: int, log_level: str) -> int:
+    uvicorn.run(build_router_app(router), host=host, port=port, log_level=log_level,
+                access_log=False)
+    return 0
+
+
 def run_router(urls: list[str], host: str, port: int, policy: Policy,
                health_interval: float = 1.0, log_level: str = "info",
                api_key: str | None = None) -> int:
-    app = build_router_app(Router(urls, policy, health_interval, api_key))
     log.info("routing %s over %d replicas: %s", policy.name, len(urls), ", ".join(urls))
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False)
-    return 0
+    return _run(Router(urls, policy, health_interval, api_key), host, port, log_level)
+
+
+def run_pd_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int,
+                  policy: Policy, health_interval: float = 1.0, log_level: str = "info",
+                  api_key: str | None = None) -> int:
+    log.info("prefill on %s (%s), decode on %s (least load)", ", ".join(prefill_urls),
+             policy.name, ", ".join(decode_urls))
+    router = PDRouter(prefill_urls, decode_urls, policy, health_interval, api_key)
+    return _run(router, host, port, log_level)
 
 
 def free_port() -> int:
@@ -50,27 +67,30 @@ def _wait_healthy(url: str, procs: list[subprocess.Popen], timeout: float) -> No
     raise RuntimeError(f"replica {url} was not healthy after {timeout:.0f} s")
 
 
-def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int,
-                        policy: Policy, worker_threads: int | None,
-                        api_key: str | None = None, start_timeout: float = 600.0) -> int:
-    """Start `size` replicas (`deepinfer serve` with `replica_args`, each on a free local
-    port), wait until each is healthy, then route on host:port until a signal; the replicas
-    stop with the router."""
+def threads_each(worker_threads: int | None, servers: int) -> int:
+    """Intra-op threads per local server: as given, or the cores shared out among them."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    threads = worker_threads or max(1, (cores or 1) // size)  # the replicas share the cores
+    return worker_threads or max(1, (cores or 1) // servers)
+
+
+@contextlib.contextmanager
+def local_servers(serve_args: list[list[str]], api_key: str | None,
+                  start_timeout: float) -> Iterator[list[str]]:
+    """`deepinfer serve *args` for each entry of `serve_args`, each on a free local port; yields
+    their URLs once every one is healthy, and stops them when the block exits."""
     procs, urls = [], []
     try:
-        for _ in range(size):
+        for args in serve_args:
             p = free_port()
-            argv = [sys.executable, "-m", "frontend.cli", "serve", *replica_args,
-                    "--host", "127.0.0.1", "--port", str(p), "--worker-threads", str(threads)]
-            # The key reaches the replicas through their environment, not their argv.
+            argv = [sys.executable, "-m", "frontend.cli", "serve", *args,
+                    "--host", "127.0.0.1", "--port", str(p)]
+            # The key reaches the servers through their environment, not their argv.
             env = dict(os.environ, DEEPINFER_API_KEY=api_key) if api_key else None
             procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env))
             urls.append(f"http://127.0.0.1:{p}")
         for url in urls:
             _wait_healthy(url, procs, start_timeout)
-        return run_router(urls, host, port, policy, api_key=api_key)
+        yield urls
     finally:
         for p in procs:
             if p.poll() is None:
@@ -80,3 +100,29 @@ def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int
                 p.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 p.kill()
+
+
+def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int,
+                        policy: Policy, worker_threads: int | None,
+                        api_key: str | None = None, start_timeout: float = 600.0) -> int:
+    """Start `size` replicas (`deepinfer serve` with `replica_args`, each on a free local
+    port), wait until each is healthy, then route on host:port until a signal; the replicas
+    stop with the router."""
+    args = [*replica_args, "--worker-threads", str(threads_each(worker_threads, size))]
+    with local_servers([args] * size, api_key, start_timeout) as urls:
+        return run_router(urls, host, port, policy, api_key=api_key)
+
+
+def serve_disaggregated(server_args: list[str], prefill: int, decode: int, host: str,
+                        port: int, policy: Policy, worker_threads: int | None,
+                        api_key: str | None = None, start_timeout: float = 600.0) -> int:
+    """Start `prefill` prefill and `decode` decode servers (`deepinfer serve` with
+    `server_args`, which must not set --disaggregation-mode: each gets its role here), wait
+    until each is healthy, then run the prefill/decode router on host:port until a signal;
+    the servers stop with it."""
+    threads = ["--worker-threads", str(threads_each(worker_threads, prefill + decode))]
+    roles = ["prefill"] * prefill + ["decode"] * decode
+    argvs = [[*server_args, *threads, "--disaggregation-mode", role] for role in roles]
+    with local_servers(argvs, api_key, start_timeout) as urls:
+        return run_pd_router(urls[:prefill], urls[prefill:], host, port, policy,
+                             api_key=api_key)

@@ -24,7 +24,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.kvcache.transfer import LATENCY_BUCKETS
+from engine.protocol import KV_TRANSFER_BUCKETS
 
 if TYPE_CHECKING:
     from engine.protocol import SchedulerStats
@@ -114,9 +114,9 @@ def _kv_transfer_metrics(s: SchedulerStats) -> Iterator[Metric]:
         c = CounterMetricFamily(name, doc)
         c.add_metric([], float(value))
         yield c
-    counts = s.kv_transfer_buckets or [0] * (len(LATENCY_BUCKETS) + 1)
+    counts = s.kv_transfer_buckets or [0] * (len(KV_TRANSFER_BUCKETS) + 1)
     cumulative, total = [], 0
-    for bound, count in zip((*map(str, LATENCY_BUCKETS), "+Inf"), counts):
+    for bound, count in zip((*map(str, KV_TRANSFER_BUCKETS), "+Inf"), counts):
         total += count
         cumulative.append((bound, float(total)))
     h = HistogramMetricFamily("deepinfer_kv_transfer_seconds", "seconds per KV transfer")

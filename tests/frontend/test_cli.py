@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -75,3 +76,98 @@ def test_scripts_are_thin_wrappers():
     assert "frontend.bench.serving import main" in (root / "scripts/bench_serving.py").read_text()
     prepare = (root / "scripts/prepare_default_model.py").read_text()
     assert "frontend.cli import main" in prepare and "prepare-model" in prepare
+
+
+@pytest.mark.parametrize("argv,problem", [
+    (["router", "--prefill", "http://p"], "--prefill and --decode go together"),
+    (["router", "--decode", "http://d"], "--prefill and --decode go together"),
+    (["router"], "give --worker URL"),
+    (["router", "--worker", "http://w", "--prefill", "http://p", "--decode", "http://d"],
+     "two modes"),
+    (["router", "--prefill", "http://s/", "--decode", "http://s"], "not both"),
+    (["serve", "--prefill-servers", "1", "--decode-servers", "0"], "go together"),
+    (["serve", "--decode-servers", "2"], "go together"),
+    (["serve", "--prefill-servers", "1", "--decode-servers", "1", "--data-parallel-size", "2"],
+     "two topologies"),
+])
+def test_router_and_serve_refuse_half_a_topology(argv, problem, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and problem in err.splitlines()[-1]
+    assert err.splitlines()[-1].startswith("deepinfer: error: ")
+
+
+def test_router_modes_parse():
+    parse = cli.build_parser().parse_args
+    pd = parse(["router", "--prefill", "http://p1", "--prefill", "http://p2", "--decode",
+                "http://d", "--port", "9"])
+    assert (pd.prefill, pd.decode, pd.worker, pd.port) == (["http://p1", "http://p2"],
+                                                           ["http://d"], None, 9)
+    dp = parse(["router", "--worker", "http://a", "--worker", "http://b"])
+    assert cli.usage_problem(pd) is None and cli.usage_problem(dp) is None
+    serve = parse(["serve", "--prefill-servers", "1", "--decode-servers", "2"])
+    assert cli.usage_problem(serve) is None and cli.usage_problem(parse(["serve"])) is None
+
+
+@pytest.fixture()
+def started(monkeypatch):
+    """`deepinfer serve` topologies with no process started: the argv of each local server
+    and the router's arguments."""
+    from frontend.router import server
+
+    seen: dict = {"argvs": [], "configs": []}
+
+    @contextlib.contextmanager
+    def local_servers(argvs, api_key, start_timeout):
+        seen["argvs"] = argvs
+        yield [f"http://127.0.0.1:{9000 + i}" for i in range(len(argvs))]
+
+    def ensure_config(config):
+        seen["configs"].append(config)
+        return config
+
+    monkeypatch.setattr(model_store, "ensure_config", ensure_config)
+    monkeypatch.setattr(server, "local_servers", local_servers)
+    monkeypatch.setattr(server, "run_pd_router", lambda *a, **k: seen.setdefault("pd", a) and 0)
+    monkeypatch.setattr(server, "run_router", lambda *a, **k: seen.setdefault("dp", a) and 0)
+    return seen
+
+
+def flag(argv: list[str], name: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == name]
+
+
+def test_serve_prefill_and_decode_servers_each_get_their_role(started):
+    assert cli.main(["serve", "--model", "/m", "--prefill-servers", "1", "--decode-servers", "2",
+                     "--disaggregation-mode", "decode", "--kv-hold-timeout", "7",
+                     "--worker-threads", "3", "--no-overlap-scheduling", "--port", "8"]) == 0
+    # Checked as a server with a role is (so the prefix-cache requirement is caught up front).
+    assert started["configs"][0].disaggregation_mode == "prefill"
+    argvs = started["argvs"]
+    assert [flag(a, "--disaggregation-mode") for a in argvs] == [["prefill"], ["decode"],
+                                                                ["decode"]]
+    assert all(flag(a, "--worker-threads") == ["3"] and flag(a, "--kv-hold-timeout") == ["7.0"]
+               and flag(a, "--model") == ["/m"] and "--no-overlap-scheduling" in a
+               for a in argvs)
+    prefill, decode, host, port = started["pd"][:4]
+    assert (prefill, decode, host, port) == (["http://127.0.0.1:9000"],
+                                             ["http://127.0.0.1:9001", "http://127.0.0.1:9002"],
+                                             "127.0.0.1", 8)
+
+
+def test_serve_data_parallel_shares_the_cores_over_its_replicas(started, monkeypatch):
+    from frontend.router import server
+
+    monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    assert cli.main(["serve", "--model", "/m", "--data-parallel-size", "4"]) == 0
+    argvs = started["argvs"]
+    assert len(argvs) == 4 and all(a == argvs[0] for a in argvs)
+    assert flag(argvs[0], "--worker-threads") == ["2"]
+    assert "--disaggregation-mode" not in argvs[0] and len(started["dp"][0]) == 4
+
+
+def test_serve_prefill_and_decode_servers_need_the_prefix_cache_before_any_start(capsys):
+    assert cli.main(["serve", "--prefill-servers", "1", "--decode-servers", "1",
+                     "--no-enable-prefix-caching"]) == 1
+    assert "needs the prefix cache" in capsys.readouterr().err

@@ -128,6 +128,9 @@ class KVPuller(threading.Thread):
                              "model or tensor-parallel size?)")
         k = nbytes = 0
         for tensors, p in zip(self.tensors, pairs):
+            if not len(p):  # this server's prefix cache had all of this group's blocks
+                k += len(tensors)
+                continue
             index = torch.from_numpy(p[:, 1].astype(np.int64))
             for t in tensors:
                 buf = frames[k].buffer

@@ -9,6 +9,7 @@ their blocks may be overwritten).
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import uuid
@@ -23,6 +24,7 @@ from engine.protocol import KVTransferDone, unpack_ids
 from engine.runtime.ipc import push
 from workers.kv_transfer.wire import Read, ReadReply, ToSender, as_bytes
 
+log = logging.getLogger("deepinfer.kv_transfer")
 _REMEMBER_RELEASED = 65536  # released transfer ids kept to refuse late reads
 
 
@@ -56,7 +58,11 @@ class KVSender(threading.Thread):
             ident, header = self.sock.recv_multipart()[:2]
             msg = decode(header)
             if isinstance(msg, Read):
-                reply, frames = self._read(msg)
+                try:
+                    reply, frames = self._read(msg)
+                except Exception as exc:  # answer it: a dead thread would hang every pull
+                    log.exception("KV read failed")
+                    reply, frames = ReadReply(msg.seq, f"{type(exc).__name__}: {exc}"), []
                 self.sock.send_multipart([ident, encode(reply), *frames], copy=False)
                 continue
             with self.lock:

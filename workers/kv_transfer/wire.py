@@ -49,5 +49,5 @@ def group_tensors(spec: KVCacheSpec, kv_caches: list[tuple[torch.Tensor, torch.T
 
 
 def as_bytes(t: torch.Tensor) -> memoryview:
-    """A contiguous CPU copy's raw bytes (any dtype, bfloat16 included)."""
-    return memoryview(t.contiguous().cpu().view(torch.uint8).numpy()).cast("B")
+    """A contiguous CPU copy's raw bytes (any dtype, bfloat16 included; none for no blocks)."""
+    return memoryview(t.contiguous().cpu().view(torch.uint8).numpy().reshape(-1))

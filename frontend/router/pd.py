@@ -1,0 +1,130 @@
+"""Prefill/decode disaggregation behind one endpoint: the router splits each request over a pool
+of prefill servers and a pool of decode servers (`deepinfer serve --disaggregation-mode ...`).
+
+A request first goes to a prefill server, the one the router's policy picks (cache-aware by
+default: where the prompt's prefix is cached), as a one-token, non-streaming request marked
+`"kv_transfer_params": {"do_remote_decode": true}`. That server computes the prompt, keeps its
+KV, and answers with the transfer details in a top-level "kv_transfer_params". The original
+request then goes to the least-loaded decode server (its cost is the batch it decodes; the prompt
+arrives as KV, so a cached prefix there saves little) with that object added verbatim; the decode
+server pulls the KV and writes the whole response, which reaches the client as the
+data-parallel router relays it (frontend/router/app.py: the same health checks, retries and
+streaming). A decode server that fails before answering is skipped like a data-parallel replica
+and the next one gets the same kv_transfer_params: the prefill server holds the KV until one
+pulls it (up to its --kv-hold-timeout).
+
+Fallbacks, sent unchanged to a decode server, which then computes the prompt itself (right, just
+not disaggregated): a body that is no JSON object; n > 1 or a batch of prompts (one KV handle
+serves one sequence); at most one token to generate (nothing left to decode); a prefill answer
+without kv_transfer_params (the request ended on its first token, at EOS say); no prefill server
+able to take the request. A prefill server's 4xx (a bad request) goes to the client as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from prometheus_client import Counter, Gauge
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from frontend.auth import UNAUTHORIZED, authorized
+from frontend.router.app import Router, forward_headers, json_or_none, routing_text
+from frontend.router.policy import Policy
+
+log = logging.getLogger("deepinfer.router")
+DISAGGREGATED, FALLBACK = "disaggregated", "fallback"
+
+
+def decode_only(path: str, payload: object) -> bool:
+    """Whether a request goes straight to a decode server (the fallbacks above)."""
+    if not isinstance(payload, dict) or payload.get("n") not in (None, 1):
+        return True
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
+        return True  # a batch of prompts (a list of token ids is one prompt)
+    limit = payload.get("max_tokens")
+    if path.endswith("chat/completions") and payload.get("max_completion_tokens") is not None:
+        limit = payload["max_completion_tokens"]  # the server reads it before max_tokens
+    if limit is None:
+        return False
+    # Not a number: invalid, and the decode server says so in its own 400.
+    return not isinstance(limit, int) or isinstance(limit, bool) or limit <= 1
+
+
+def prefill_body(payload: dict) -> bytes:
+    """The prefill server's request: the prompt and one token, not streamed, its KV kept for a
+    decode server."""
+    body = {k: v for k, v in payload.items() if k != "stream_options"}
+    body["max_tokens"] = 1
+    if "max_completion_tokens" in body:
+        body["max_completion_tokens"] = 1
+    body |= {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    return json.dumps(body).encode()
+
+
+def transfer_params(response: Response) -> dict | None:
+    """The kv_transfer_params of a prefill server's answer (None: it has none to hand over)."""
+    answer = json_or_none(response.body) if 200 <= response.status_code < 300 else None
+    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    return params if isinstance(params, dict) else None
+
+
+class PDRouter(Router):
+    def __init__(self, prefill_urls: list[str], decode_urls: list[str], policy: Policy,
+                 health_interval: float = 1.0, api_key: str | None = None) -> None:
+        # One pool to the base class (health loop, metrics per replica), two for placement.
+        super().__init__([*prefill_urls, *decode_urls], policy, health_interval, api_key)
+        self.prefill = self.replicas[:len(prefill_urls)]
+        self.decode = self.replicas[len(prefill_urls):]
+        self.decode_policy = Policy("least_load")
+        self.pd_requests = Counter(
+            "deepinfer_router_pd_requests", "requests served by a prefill then a decode server "
+            "(disaggregated) or by a decode server alone (fallback)", ["path"],
+            registry=self.registry)
+        for path in (DISAGGREGATED, FALLBACK):
+            self.pd_requests.labels(path)  # both series from the start, at 0
+        role = Gauge("deepinfer_router_replica_role", "1 on each replica's pool",
+                     ["replica", "role"], registry=self.registry)
+        for name, pool in (("prefill", self.prefill), ("decode", self.decode)):
+            for r in pool:
+                role.labels(r.url, name).set(1)
+
+    async def proxy(self, request: Request) -> Response:
+        if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
+        if not any(r.healthy for r in self.decode):  # else a prefill server holds KV for none
+            return self.unavailable(self.decode)
+        body = await request.body()
+        payload = json_or_none(body)
+        path, headers = request.url.path, forward_headers(request)
+        text = routing_text(path, payload)
+        route = FALLBACK
+        if not decode_only(path, payload):
+            headers["content-type"] = "application/json"  # the router writes the bodies now
+            prefill = await self.place(self.prefill, self.policy, text, path,
+                                       prefill_body(payload), headers, stream=False)
+            if prefill is None:
+                log.warning("no prefill server could take a request: its decode server "
+                            "computes the prompt")
+            elif not 200 <= prefill.status_code < 300:
+                return prefill  # the request's own fault: the client's to see
+            elif (params := transfer_params(prefill)) is not None:
+                body = json.dumps(payload | {"kv_transfer_params": params}).encode()
+                route = DISAGGREGATED
+        self.pd_requests.labels(route).inc()
+        stream = isinstance(payload, dict) and bool(payload.get("stream"))
+        response = await self.place(self.decode, self.decode_policy, text, path, body, headers,
+                                    stream)
+        return self.unavailable(self.decode) if response is None else response
+
+    async def health(self, request: Request) -> Response:
+        """200 while each pool has a healthy server: a request needs one of each."""
+        pools = {"prefill": self.prefill, "decode": self.decode}
+        counts = {name: {"healthy": sum(r.healthy for r in pool), "replicas": len(pool)}
+                  for name, pool in pools.items()}
+        up = all(c["healthy"] for c in counts.values())
+        return JSONResponse({"healthy_replicas": sum(r.healthy for r in self.replicas),
+                             "replicas": len(self.replicas), **counts},
+                            status_code=200 if up else 503)

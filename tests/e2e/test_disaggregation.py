@@ -1,0 +1,239 @@
+"""Prefill/decode disaggregation with real processes: `deepinfer serve --prefill-servers 1
+--decode-servers 1` (a router, a prefill server and a decode server, each with its engine
+processes; KV moves between their workers over ZeroMQ tcp) against one plain `deepinfer serve`."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from tests.conftest import save_tiny_model
+from tests.frontend.server_process import ServerProcess, descendants, free_port
+
+COMMON = ["--num-kv-blocks", "256", "--served-model-name", "tiny", "--kv-transfer-timeout",
+          "10"]
+W = 8  # the sliding model's window: prompts here span several windows
+
+
+def make_model(kind: str, root) -> object:
+    if kind == "llama":
+        return save_tiny_model(root)
+    return save_tiny_model(root, "qwen3", num_hidden_layers=4, sliding_window=W,
+                           use_sliding_window=True,
+                           layer_types=["sliding_attention", "full_attention",
+                                        "sliding_attention", "full_attention"])
+
+
+class Topology:
+    def __init__(self, model) -> None:
+        self.plain = ServerProcess(model, *COMMON)
+        self.pd = ServerProcess(model, *COMMON, "--prefill-servers", "1", "--decode-servers", "1")
+        self.roles: dict[str, tuple[int, str]] = {}  # role -> (pid, url)
+        for pid in descendants(self.pd.proc.pid):
+            try:
+                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if b"--disaggregation-mode" in argv and b"serve" in argv:
+                role = argv[argv.index(b"--disaggregation-mode") + 1].decode()
+                port = argv[argv.index(b"--port") + 1].decode()
+                self.roles[role] = (pid, f"http://127.0.0.1:{port}")
+        assert set(self.roles) == {"prefill", "decode"}
+
+    def url(self, role: str) -> str:
+        return self.roles[role][1]
+
+    def stop(self) -> None:
+        self.pd.stop()
+        self.plain.stop()
+
+
+@pytest.fixture(scope="module", params=["llama", "sliding"])
+def topology(request, tmp_path_factory):
+    t = Topology(make_model(request.param, tmp_path_factory.mktemp(request.param)))
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    t = Topology(make_model("llama", tmp_path_factory.mktemp("llama-pd")))
+    try:
+        yield t
+    finally:
+        t.stop()
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return float(re.search(rf"^{name} ([0-9.e+-]+)$", text, re.M)[1])
+
+
+def wait_idle(*urls: str, timeout: float = 30.0) -> None:
+    """Every server's KV blocks free again and no transfer pending: nothing leaked."""
+    deadline = time.monotonic() + timeout
+    while True:
+        state = [(metric(u, "deepinfer_kv_blocks_free"), metric(u, "deepinfer_kv_blocks_total"),
+                  metric(u, "deepinfer_kv_transfers_pending")) for u in urls]
+        if all(free == total and pending == 0 for free, total, pending in state):
+            return
+        assert time.monotonic() < deadline, f"blocks or transfers left: {state}"
+        time.sleep(0.2)
+
+
+def prompt_text(seed: int, words: int) -> str:
+    rng = np.random.default_rng(seed)
+    vocab = ["river", "stone", "light", "seven", "north", "paper", "glass", "quiet", "orbit",
+             "amber", "field", "cloud", "metal", "tiger", "lemon", "piano"]
+    return " ".join(rng.choice(vocab, words))
+
+
+def complete(url: str, prompt: str, **extra) -> dict:
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def stream_text(url: str, body: dict) -> str:
+    import json
+
+    text = []
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json=body) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                event = json.loads(line[6:])
+                assert "error" not in event, event
+                text += [c["text"] for c in event["choices"]]
+    return "".join(text)
+
+
+def test_disaggregated_greedy_text_equals_one_plain_server(topology):
+    blocks_before = metric(topology.url("decode"), "deepinfer_kv_transfer_blocks_total")
+    for seed, words in [(0, 3), (1, 20), (2, 45), (3, 90)]:  # from part of a block to many
+        prompt = prompt_text(seed, words)
+        ref = complete(topology.plain.base_url, prompt, ignore_eos=True)
+        out = complete(topology.pd.base_url, prompt, ignore_eos=True)
+        assert out["choices"][0]["text"] == ref["choices"][0]["text"]
+        assert out["usage"]["prompt_tokens"] == ref["usage"]["prompt_tokens"]
+        assert out["usage"]["completion_tokens"] == ref["usage"]["completion_tokens"] == 12
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        assert stream_text(topology.pd.base_url, body) == ref["choices"][0]["text"]
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": prompt_text(9, 30)}],
+            "max_tokens": 10, "temperature": 0}
+    ref = httpx.post(f"{topology.plain.base_url}/v1/chat/completions", json=chat, timeout=120)
+    out = httpx.post(f"{topology.pd.base_url}/v1/chat/completions", json=chat, timeout=120)
+    assert out.json()["choices"][0]["message"] == ref.json()["choices"][0]["message"]
+    # The KV really moved (the decode server computed no prompt of its own).
+    assert metric(topology.url("decode"), "deepinfer_kv_transfer_blocks_total") > blocks_before
+    assert metric(topology.url("prefill"), "deepinfer_kv_transfer_bytes_total") > 0
+    wait_idle(topology.url("prefill"), topology.url("decode"))
+
+
+def test_the_decode_server_pulls_only_what_its_prefix_cache_lacks(llama):
+    decode = llama.url("decode")
+    rng = np.random.default_rng(5)
+    for tokens, again in [(64, 0), (70, 1)]:  # 4 whole blocks; 4 and part of a fifth
+        prompt = rng.integers(3, 40000, tokens).tolist()
+        before = metric(decode, "deepinfer_kv_transfer_blocks_total")
+        first = complete(llama.pd.base_url, prompt)["choices"][0]["text"]
+        pulled = metric(decode, "deepinfer_kv_transfer_blocks_total") - before
+        assert pulled == -(-tokens // 16)
+        assert complete(llama.pd.base_url, prompt)["choices"][0]["text"] == first
+        # Only what the decode server's own prefix cache lacks moves again.
+        assert metric(decode, "deepinfer_kv_transfer_blocks_total") - before - pulled == again
+    wait_idle(llama.url("prefill"), decode)
+
+
+def worker_pid(server_pid: int) -> int:
+    for pid in descendants(server_pid):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"worker0" in argv:
+            return pid
+    raise AssertionError("no worker0 below the server")
+
+
+def test_an_abort_during_the_transfer_frees_blocks_on_both_sides(llama):
+    prefill, decode = llama.url("prefill"), llama.url("decode")
+    prompt = prompt_text(11, 60)
+    held = httpx.post(f"{prefill}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    assert metric(prefill, "deepinfer_kv_transfers_pending") == 1  # held for the decode side
+    worker = worker_pid(llama.roles["prefill"][0])
+    os.kill(worker, signal.SIGSTOP)  # the prefill's rank cannot answer the pull
+    try:
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+                "stream": True, "kv_transfer_params": held}
+        with httpx.stream("POST", f"{decode}/v1/completions", timeout=60, json=body) as r:
+            assert r.status_code == 200
+            deadline = time.monotonic() + 20
+            while metric(decode, "deepinfer_kv_transfers_pending") != 1:
+                assert time.monotonic() < deadline
+                time.sleep(0.05)
+            assert metric(decode, "deepinfer_kv_blocks_free") < 256  # allocated, being pulled
+        # The client went away mid-transfer: the decode side stops and frees its blocks...
+        wait_idle(decode)
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    # ...and the prefill side, told the decode side gave up, frees the held ones.
+    wait_idle(prefill)
+
+
+def test_a_dead_prefill_server_fails_the_request_with_a_clear_error(llama):
+    decode = llama.url("decode")
+    prompt = prompt_text(12, 30)
+    held = httpx.post(f"{llama.url('prefill')}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    host, _, _ = held["addresses"][0].rpartition(":")
+    gone = dict(held, addresses=[f"{host}:{free_port()}#gone"])  # nothing listens there
+    r = httpx.post(f"{decode}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+        "kv_transfer_params": gone})
+    assert r.status_code == 503
+    assert "KV transfer failed" in r.json()["error"]["message"]
+    assert "no answer" in r.json()["error"]["message"]
+    # A bad request is a 400 naming the field, before anything moves.
+    r = httpx.post(f"{decode}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": prompt, "kv_transfer_params": {"do_remote_prefill": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    wait_idle(decode)  # the failed request leaked nothing
+    # The prefill server still holds the KV (until --kv-hold-timeout): a retry gets it.
+    retry = complete(decode, prompt, max_tokens=8, ignore_eos=True, kv_transfer_params=held)
+    assert retry["usage"]["completion_tokens"] == 8
+    wait_idle(llama.url("prefill"), decode)
+
+
+def test_two_hundred_concurrent_requests_through_one_prefill_and_one_decode_server(llama):
+    async def run() -> list[httpx.Response]:
+        limits = httpx.Limits(max_connections=200)
+        async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+            return await asyncio.gather(*(client.post(
+                f"{llama.pd.base_url}/v1/completions", json={
+                    "model": "tiny", "prompt": prompt_text(100 + i, 8 + i % 40),
+                    "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                    "stream": i % 2 == 0}) for i in range(200)))
+
+    responses = asyncio.run(run())
+    assert [r.status_code for r in responses] == [200] * 200
+    for i, r in enumerate(responses):
+        if i % 2:
+            assert r.json()["usage"]["completion_tokens"] == 6
+        else:
+            assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
+    wait_idle(llama.url("prefill"), llama.url("decode"), timeout=60)
