@@ -23,6 +23,7 @@ from frontend.auth import UNAUTHORIZED, authorized
 from frontend.server.errors import APIError
 from frontend.server.http_io import SSEResponse
 from frontend.server.openai_responses import ModelCard, ModelList
+from frontend.server.openapi import openapi_document
 from frontend.server.serving_chat import create_chat_completion
 from frontend.server.serving_completion import create_completion
 from frontend.server.state import EngineClient, ServerState
@@ -86,10 +87,17 @@ async def _version(state: ServerState, request: Request) -> Response:
     return JSONResponse({"version": version()})
 
 
+async def _openapi(state: ServerState, request: Request) -> Response:
+    doc = openapi_document(version(), bool(state.api_key))
+    return Response(msgspec.json.encode(doc), media_type="application/json")
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-    return APIError(str(exc.detail), exc.status_code, type=kind).response()
+    # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
+    return APIError(str(exc.detail), exc.status_code, type=kind,
+                    headers=dict(exc.headers or {})).response()
 
 
 def build_app(
@@ -138,6 +146,7 @@ def build_app(
         Route("/health", _route(state, "health", _health), methods=["GET"]),
         Route("/metrics", _route(state, "metrics", _metrics), methods=["GET"]),
         Route("/version", _route(state, "version", _version), methods=["GET"]),
+        Route("/openapi.json", _route(state, "openapi", _openapi), methods=["GET"]),
     ]
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}

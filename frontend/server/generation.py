@@ -63,8 +63,18 @@ class Generation:
         ]
 
     async def _pump(self, i: int, client, request: GenerateRequest) -> None:
+        limit = self.state.max_buffered_outputs
         try:
             async for out in client.generate(request):
+                if self._queue.qsize() >= limit:
+                    # The client reads slower than the engine writes: leaving the loop aborts
+                    # the engine request (client.generate's cleanup); memory stays bounded.
+                    self.state.metrics.slow_readers.inc()
+                    self._queue.put_nowait((i, RequestOutput(
+                        request.request_id, finish_reason=FinishReason.ERROR,
+                        error=f"aborted: the client read the stream too slowly ({limit} "
+                              "outputs waiting)")))
+                    return
                 self._queue.put_nowait((i, out))
         except Exception as exc:  # EngineDeadError and the like
             self._queue.put_nowait((i, exc))

@@ -181,6 +181,9 @@ class Metrics:
             "tokens a request recomputed to rebuild sliding windows after a prefix hit",
             buckets=(0, 16, 64, 256, 1024, 4096, 16384), registry=r,
         )
+        self.slow_readers = Counter(
+            "deepinfer_slow_reader_aborts", "streams aborted because their client read too "
+            "slowly (--max-buffered-outputs)", registry=r)
         self.e2e = Histogram(
             "deepinfer_e2e_request_latency_seconds", "request latency, arrival to last token",
             buckets=_LATENCY_BUCKETS, registry=r,

@@ -30,7 +30,8 @@ class EngineClient(Protocol):
 
 class ServerState:
     def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
-                 grammar_max_bytes: int = 65536, api_key: str | None = None) -> None:
+                 grammar_max_bytes: int = 65536, api_key: str | None = None,
+                 max_buffered_outputs: int = 4096) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.draining = False  # shutting down: requests in flight finish, new ones get 503
@@ -39,6 +40,9 @@ class ServerState:
         self.pending = 0  # engine requests admitted and not yet finished
         self.model_aliases = model_aliases
         self.grammar_max_bytes = grammar_max_bytes  # longest schema/regex/grammar text accepted
+        # A stream whose client reads slower than the engine writes buffers its outputs here;
+        # past this many the request is aborted rather than the server's memory grown.
+        self.max_buffered_outputs = max_buffered_outputs
         self.created = int(time.time())
         self.failure: str | None = None
 

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.protocol import GenerateRequest, SamplingParams
+from engine.protocol import FinishReason, GenerateRequest, SamplingParams
 from frontend.server.errors import APIError
 from frontend.server.generation import Generation, collect, seeded
 from frontend.server.state import ServerState
@@ -86,6 +86,26 @@ def test_rejected_prompt_raises_400():
             await gen.first_outputs()
         await gen.close()
         assert exc.value.status == 400 and exc.value.param == "prompt"
+        assert state.pending == 0
+
+    asyncio.run(main())
+
+
+def test_a_reader_that_falls_behind_is_aborted_with_its_buffer_bounded():
+    async def main():
+        engine = FakeEngineClient(context_len=1000)
+        state = _state(engine)
+        state.max_buffered_outputs = 8
+        gen = Generation(state, "test", _requests(1, 500), "prompt")
+        await gen.first_outputs()
+        for _ in range(50):  # the client reads nothing while the engine runs ahead
+            await asyncio.sleep(0)
+        assert engine.aborted == ["r-0"]  # the engine request stopped, not just the stream
+        assert gen._queue.qsize() <= 8 + 2  # its outputs, the error, the end marker
+        outputs = [out async for _, out in gen]
+        assert len(outputs) <= 9 and outputs[-1].finish_reason == FinishReason.ERROR
+        assert "too slowly" in outputs[-1].error
+        await gen.close()
         assert state.pending == 0
 
     asyncio.run(main())

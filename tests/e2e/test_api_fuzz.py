@@ -1,0 +1,122 @@
+"""Bad input against a real server (a tiny model, a short context): schemathesis over the
+server's own /openapi.json, a hypothesis fuzzer over request bodies, and the classic hostile
+inputs. Nothing may answer 5xx or hang, and the server must serve normally afterwards with
+every KV block back."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.frontend.server_process import ServerProcess
+
+CONTEXT = 96
+FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "temperature", "top_p", "top_k",
+          "min_p", "stop", "stream", "stream_options", "logprobs", "top_logprobs", "seed",
+          "stop_token_ids", "ignore_eos", "response_format", "guided_json", "guided_regex",
+          "guided_choice", "tools", "tool_choice", "repetition_penalty", "frequency_penalty",
+          "presence_penalty", "echo", "best_of", "logit_bias", "max_completion_tokens",
+          "kv_transfer_params", "add_generation_prompt", "skip_special_tokens"]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path_factory.mktemp("fuzz"))
+    s = ServerProcess(model, "--served-model-name", "tiny", "--max-model-len", str(CONTEXT),
+                      "--num-kv-blocks", "64", "--worker-threads", "1")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def still_serving(url: str) -> None:
+    """Health is 200, a normal request works, and every KV block is free again."""
+    assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    r = httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": "tiny", "prompt": "hello", "max_tokens": 3})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+    deadline = time.monotonic() + 20
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                  if line.startswith(("deepinfer_kv_blocks_free ", "deepinfer_kv_blocks_total "))}
+        if values["deepinfer_kv_blocks_free"] == values["deepinfer_kv_blocks_total"]:
+            return
+        assert time.monotonic() < deadline, values
+        time.sleep(0.2)
+
+
+def test_schemathesis_finds_no_server_error_or_schema_violation(server):
+    """`st run` over every operation of /openapi.json with every check but
+    positive_data_acceptance (a schema-valid body may still break a limit the schema cannot
+    state: the context length, the tokenized prompt being empty, unsupported fields)."""
+    st_bin = Path(sys.executable).with_name("st")
+    result = subprocess.run(
+        [str(st_bin), "run", f"{server.base_url}/openapi.json", "--checks", "all",
+         "--exclude-checks", "positive_data_acceptance", "--workers", "1",
+         "--max-examples", "25", "--seed", "1", "--request-timeout", "60"],
+        capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, NO_COLOR="1", SCHEMATHESIS_TELEMETRY="false"))
+    summary = result.stdout[-3000:]
+    assert result.returncode == 0, summary
+    assert "Tested: 7" in summary or "Tested: 6" in summary, summary
+    still_serving(server.base_url)
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.text(max_size=40)
+    | st.floats(allow_nan=False, allow_infinity=False),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                max_size=4),
+    max_leaves=12)
+bodies = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=10), json_values,
+                         max_size=8)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(body=bodies, chat=st.booleans())
+def test_fuzzed_bodies_never_get_a_server_error(server, body, chat):
+    if isinstance(body.get("max_tokens"), int):  # keep generation short
+        body["max_tokens"] = min(body["max_tokens"], 8)
+    body.pop("n", None)
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    r = httpx.post(f"{server.base_url}{path}", timeout=60, json=body)
+    assert r.status_code < 500, (body, r.text)
+    if r.status_code >= 400:
+        assert r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("raw, status", [
+    (b'{"model": "tiny", "prompt": "hi", "temperature": NaN}', 400),  # not JSON
+    (b'{"model": "tiny", "prompt": "hi", "temperature": 1e400}', 400),  # infinity
+    (b'{"model": "tiny", "prompt": "hi", "top_p": -1e400}', 400),
+    (b'{"model": "tiny", "prompt": "hi", "frequency_penalty": 1e400}', 400),
+    (b'{"model": "tiny", "prompt": "\xff\xfe bad utf-8"}', 400),
+    (b'{"model": "tiny", "prompt": "hi", "stop": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+     400),  # deeply nested
+    (b'{"model": "tiny", "prompt": "' + b"word " * 2000 + b'"}', 400),  # past the context
+    (b'{"model": "tiny", "prompt": [' + b"1," * 50 + b'99999999999]}', 400),  # bad token id
+    (b'{"model": "tiny", "prompt": "' + b"x" * (9 << 20) + b'"}', 413),  # over the body limit
+])
+def test_hostile_inputs_get_a_clear_4xx(server, raw, status):
+    r = httpx.post(f"{server.base_url}/v1/completions", content=raw, timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text[:300]
+    assert json.loads(r.text)["error"]["message"]
+
+
+def test_the_server_still_serves_after_all_that(server):
+    still_serving(server.base_url)
