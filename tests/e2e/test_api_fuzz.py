@@ -58,7 +58,7 @@ def still_serving(url: str) -> None:
         time.sleep(0.2)
 
 
-def test_schemathesis_finds_no_server_error_or_schema_violation(server):
+def test_schemathesis_finds_no_server_error_or_schema_violation(server, tmp_path):
     """`st run` over every operation of /openapi.json with every check but
     positive_data_acceptance (a schema-valid body may still break a limit the schema cannot
     state: the context length, the tokenized prompt being empty, unsupported fields)."""
@@ -67,7 +67,7 @@ def test_schemathesis_finds_no_server_error_or_schema_violation(server):
         [str(st_bin), "run", f"{server.base_url}/openapi.json", "--checks", "all",
          "--exclude-checks", "positive_data_acceptance", "--workers", "1",
          "--max-examples", "25", "--seed", "1", "--request-timeout", "60"],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True, text=True, timeout=900, cwd=tmp_path,  # its .schemathesis/ there
         env=dict(os.environ, NO_COLOR="1", SCHEMATHESIS_TELEMETRY="false"))
     summary = result.stdout[-3000:]
     assert result.returncode == 0, summary
