@@ -7,6 +7,7 @@ ModelConfig of engine/model_config.py.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
@@ -18,11 +19,14 @@ from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
-           "DISAGGREGATION_MODES"]
+           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
+KV_TRANSFER_BACKENDS = ("zmq", "nixl")
+# What `pip install 'deepinfer[nixl]'` (nixl-cu12) or `pip install nixl` (both) put in place.
+_NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
                                  "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
                                  "Qwen3MoeForCausalLM")
@@ -98,6 +102,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # decode server pulled are freed after kv_hold_timeout.
     kv_transfer_timeout: float = 30.0
     kv_hold_timeout: float = 120.0
+    # How KV blocks move between servers: "zmq" (over the transfer sockets themselves, works
+    # anywhere) or "nixl" (NIXL READs, workers/kv_transfer/nixl_transport.py; an extra).
+    kv_transfer_backend: str = "zmq"
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):
@@ -151,6 +158,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for flag, value in (("--kv-transfer-timeout", self.kv_transfer_timeout),
                             ("--kv-hold-timeout", self.kv_hold_timeout)):
             _require(value > 0, f"{flag} must be positive, got {value:g}")
+        _require(self.kv_transfer_backend in KV_TRANSFER_BACKENDS,
+                 f"--kv-transfer-backend must be one of {', '.join(KV_TRANSFER_BACKENDS)}, "
+                 f"not {self.kv_transfer_backend!r}")
+        # Found, not imported: importing NIXL loads torch, which this process need not.
+        _require(self.kv_transfer_backend != "nixl" or
+                 any(importlib.util.find_spec(m) for m in _NIXL_MODULES),
+                 "--kv-transfer-backend nixl needs NIXL: pip install 'deepinfer[nixl]'")
         if self.disaggregation_mode != "none":
             _require(self.enable_prefix_caching,
                      "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")

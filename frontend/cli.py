@@ -14,6 +14,7 @@ from engine import model_store
 from engine.config import (
     DEFAULT_MODEL_NAME,
     DISAGGREGATION_MODES,
+    KV_TRANSFER_BACKENDS,
     MAX_SPECULATIVE_TOKENS,
     SPECULATIVE_METHODS,
     EngineConfig,
@@ -65,6 +66,8 @@ _ENGINE_ARGS = [
      "request fails (default 30)"),
     ("--kv-hold-timeout", float, "prefill: seconds a finished prompt's KV waits for a decode "
      "server to pull it before it is freed (default 120)"),
+    ("--kv-transfer-backend", str, "how KV blocks move between servers: zmq (over the "
+     "transfer sockets, default) or nixl (NIXL READs; pip install 'deepinfer[nixl]')"),
     ("--grammar-compile-timeout", float, "structured output: seconds a grammar may take to "
      "compile before its request is refused (default 20)"),
     ("--grammar-max-bytes", int, "structured output: longest schema, regex, EBNF or choice list "
@@ -72,7 +75,8 @@ _ENGINE_ARGS = [
 ]
 # Flags whose values argparse checks (a typo is refused before anything starts).
 _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
-                   "--disaggregation-mode": DISAGGREGATION_MODES}
+                   "--disaggregation-mode": DISAGGREGATION_MODES,
+                   "--kv-transfer-backend": KV_TRANSFER_BACKENDS}
 # On/off switches (--x / --no-x); unset keeps the default.
 _ENGINE_SWITCHES = [
     ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),
@@ -108,8 +112,8 @@ def _replica_args(args: argparse.Namespace, model: str,
                   skip: tuple[str, ...] = ("worker_threads",)) -> list[str]:
     """`deepinfer serve` flags for one local server behind the router: the engine's as given,
     but those in `skip`, which the topology sets per server."""
-    out = ["--model", model, "--max-pending", str(args.max_pending), "--log-level",
-           args.log_level]
+    out = ["--model", model, "--max-pending", str(args.max_pending), "--max-buffered-outputs",
+           str(args.max_buffered_outputs), "--log-level", args.log_level]
     switches = {f[2:].replace("-", "_") for f, _ in _ENGINE_SWITCHES}
     for name, value in engine_kwargs(args).items():
         flag = "--" + name.replace("_", "-")
@@ -147,7 +151,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    args.host, args.port, Policy(args.policy),
                                    config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
-                 args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout)
+                 args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout,
+                 args.max_buffered_outputs)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -234,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--max-pending", type=int, default=256,
                        help="engine requests in flight before new ones get 503")
+    serve.add_argument("--max-buffered-outputs", type=int, default=4096,
+                       help="outputs a stream may hold for a client that reads slower than the "
+                            "engine writes; past it the request is aborted (default 4096)")
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--access-log", action="store_true")
     serve.add_argument("--api-key", default=None,

@@ -100,13 +100,15 @@ def serve(
     access_log: bool = False,
     api_key: str | None = None,
     shutdown_timeout: float = 30.0,
+    max_buffered_outputs: int = 4096,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
     from engine.runtime.async_client import AsyncEngineClient
 
     state = ServerState(max_pending, model_aliases=(config.model,),
-                        grammar_max_bytes=config.grammar_max_bytes, api_key=api_key)
+                        grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,
+                        max_buffered_outputs=max_buffered_outputs)
     exit_code = 0
     server: _Server | None = None
 

@@ -5,6 +5,9 @@ releases them there and reports to the scheduler (engine/kvcache/transfer.py).
 The blocks it writes belong to no running request until it reports, so the step loop may run
 forwards meanwhile. A pull gives up after `timeout` seconds without an answer (a dead prefill
 server fails the request with that reason), and stops early when the request is aborted.
+
+With the NIXL backend the blocks do not come over the socket: the thread READs them itself
+(nixl_transport.py), between two checks of the transfer by the prefill rank (wire.py).
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import uuid
 import warnings
+from collections.abc import Callable
 
 import msgspec
 import numpy as np
@@ -21,12 +26,20 @@ import zmq
 
 from engine.protocol import KVPull, KVTransferDone, pack_ids, unpack_ids
 from engine.runtime.ipc import push
-from workers.kv_transfer.wire import Read, ReadReply, Release, split_address
+from workers.kv_transfer.wire import Meta, Read, ReadReply, Release, split_address
+
+
+class _Stop(Exception):
+    """A pull ends early (cancelled or timed out) with this report."""
+
+    def __init__(self, done: KVTransferDone) -> None:
+        super().__init__(done.error)
+        self.done = done
 
 
 class KVPuller(threading.Thread):
     def __init__(self, zctx: zmq.Context, tensors: list[list[torch.Tensor]], rank: int,
-                 report_to: str, timeout: float) -> None:
+                 report_to: str, timeout: float, backend: str = "zmq") -> None:
         super().__init__(name="deepinfer-kv-puller", daemon=True)
         self.zctx, self.tensors, self.rank = zctx, tensors, rank
         self.report_to, self.timeout = report_to, timeout
@@ -37,6 +50,11 @@ class KVPuller(threading.Thread):
         self.encode = msgspec.msgpack.Encoder().encode
         self.sockets: dict[str, zmq.Socket] = {}
         self.seq = 0
+        self.nixl = None
+        if backend == "nixl":
+            from workers.kv_transfer.nixl_transport import NixlSink
+
+            self.nixl = NixlSink(tensors, f"deepinfer-decode-{uuid.uuid4().hex[:12]}-{rank}")
 
     def submit(self, pulls: list[KVPull]) -> None:
         with self.lock:
@@ -92,33 +110,79 @@ class KVPuller(threading.Thread):
         if self._is_cancelled(rid):
             release(True)
             return KVTransferDone(rid, self.rank, cancelled=True)
-        self.seq += 1
-        sock.send(self.encode(Read(self.seq, nonce, pull.transfer_id,
-                                   [pack_ids(p[:, 0]) for p in pairs])), zmq.NOBLOCK)
-        deadline = time.monotonic() + self.timeout
-        while True:
-            if self._is_cancelled(rid):
-                release(True)
-                return KVTransferDone(rid, self.rank, cancelled=True)
-            if time.monotonic() > deadline:
-                self._drop_socket(endpoint)
-                return KVTransferDone(rid, self.rank, error=(
-                    f"no answer from the prefill server's rank {self.rank} at {endpoint} within "
-                    f"{self.timeout:g} s"))
-            if not sock.poll(50):
-                continue
-            frames = sock.recv_multipart(copy=False)
-            reply = msgspec.msgpack.decode(frames[0].bytes, type=ReadReply)
-            if reply.seq == self.seq:
-                break  # older replies belong to abandoned reads
-        if reply.error is not None:
-            return KVTransferDone(rid, self.rank, error=reply.error)
-        nbytes = self._write(pairs, frames[1:])
+        payload = self.nixl is None
+        request = Read(0, nonce, pull.transfer_id, [pack_ids(p[:, 0]) for p in pairs], payload)
+        try:
+            if self.nixl is not None and not self.nixl.knows(endpoint, nonce):
+                reply, _ = self._ask(sock, endpoint, rid, Meta(0, nonce), release)
+                if reply.error is not None:
+                    return KVTransferDone(rid, self.rank, error=reply.error)
+                self.nixl.add_peer(endpoint, nonce, reply.meta)
+            reply, frames = self._ask(sock, endpoint, rid, request, release)
+            if reply.error is not None:
+                return KVTransferDone(rid, self.rank, error=reply.error)
+            if payload:
+                nbytes = self._write(pairs, frames[1:])
+            else:
+                nbytes = self._read_nixl(endpoint, rid, pairs, release)
+                # Released while we read (its hold timed out)? Then it may have been overwritten.
+                check = Read(0, nonce, pull.transfer_id, [], payload=False)
+                reply, _ = self._ask(sock, endpoint, rid, check, release)
+                if reply.error is not None:
+                    return KVTransferDone(rid, self.rank, error=reply.error)
+        except _Stop as stop:
+            return stop.done
         if any(t.is_cuda for ts in self.tensors for t in ts):
             torch.cuda.synchronize()
         release()
         return KVTransferDone(rid, self.rank, blocks=len(pairs[0]) if pairs else 0,
                               bytes=nbytes)
+
+    def _ask(self, sock: zmq.Socket, endpoint: str, rid: str, msg: Read | Meta,
+             release: Callable[[bool], None]) -> tuple[ReadReply, list]:
+        """Send a request to the prefill rank and wait for its answer (reply, frames)."""
+        self.seq += 1
+        msg.seq = self.seq
+        sock.send(self.encode(msg), zmq.NOBLOCK)
+        deadline = time.monotonic() + self.timeout
+        while True:
+            if self._is_cancelled(rid):
+                release(True)
+                raise _Stop(KVTransferDone(rid, self.rank, cancelled=True))
+            if time.monotonic() > deadline:
+                self._drop_socket(endpoint)
+                raise _Stop(KVTransferDone(rid, self.rank, error=(
+                    f"no answer from the prefill server's rank {self.rank} at {endpoint} within "
+                    f"{self.timeout:g} s")))
+            if not sock.poll(50):
+                continue
+            frames = sock.recv_multipart(copy=False)
+            reply = msgspec.msgpack.decode(frames[0].bytes, type=ReadReply)
+            if reply.seq == self.seq:
+                return reply, frames  # older replies belong to abandoned requests
+
+    def _read_nixl(self, endpoint: str, rid: str, pairs: list[np.ndarray],
+                   release: Callable[[bool], None]) -> int:
+        """READ the blocks with NIXL; returns the bytes read."""
+        read = self.nixl.read(endpoint, pairs)
+        if read is None:
+            return 0
+        deadline = time.monotonic() + self.timeout
+        try:
+            while not read.done():
+                if self._is_cancelled(rid):
+                    raise _Stop(KVTransferDone(rid, self.rank, cancelled=True))
+                if time.monotonic() > deadline:
+                    raise _Stop(KVTransferDone(rid, self.rank, error=(
+                        f"the NIXL read from the prefill server's rank {self.rank} at "
+                        f"{endpoint} did not finish within {self.timeout:g} s")))
+                time.sleep(0.0002)
+        except BaseException:
+            read.close()  # before we report: no write into our blocks may follow
+            release(True)
+            raise
+        read.close()
+        return read.nbytes
 
     def _write(self, pairs: list[np.ndarray], frames: list) -> int:
         """Copy the received blocks into ours; returns the bytes taken."""

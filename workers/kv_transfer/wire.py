@@ -5,6 +5,11 @@ A decode rank's DEALER asks the matching prefill rank's ROUTER to `Read` blocks;
 back, in the order asked). `Release` says the decode side is done (or gave up): the prefill
 server may free the blocks. A sender's address carries a nonce after '#', so a pull aimed at a
 server that has restarted since is refused instead of reading someone else's blocks.
+
+With the NIXL backend (nixl_transport.py) the blocks do not travel here: the decode rank asks
+once per prefill rank for its `Meta` (NIXL agent and cache addresses), sends `Read`s without
+payload only to have the transfer checked (before its NIXL READ, and after it: a transfer
+released meanwhile may have been overwritten), and reads the blocks itself.
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ class Read(msgspec.Struct, tag=True, array_like=True):
     nonce: str
     transfer_id: str
     blocks: list[bytes]  # per KV group: int32 block ids on the sender
+    payload: bool = True  # False: check the transfer only, answer with no block frames
+
+
+class Meta(msgspec.Struct, tag=True, array_like=True):
+    """What a NIXL reader needs to read this rank's cache (answered in ReadReply.meta)."""
+
+    seq: int
+    nonce: str
 
 
 class Release(msgspec.Struct, tag=True, array_like=True):
@@ -30,9 +43,10 @@ class Release(msgspec.Struct, tag=True, array_like=True):
 class ReadReply(msgspec.Struct, array_like=True):
     seq: int
     error: str | None = None
+    meta: bytes = b""
 
 
-ToSender = Read | Release
+ToSender = Read | Release | Meta
 
 
 def split_address(address: str) -> tuple[str, str]:

@@ -20,10 +20,12 @@ class KVTransferWorker:
         tensors = group_tensors(config.kv_cache_spec(), kv_caches)
         self.sender = self.puller = None
         if config.disaggregation_mode == "prefill":
-            self.sender = KVSender(zctx, tensors, config.kv_transfer_host, rank, report_to)
+            self.sender = KVSender(zctx, tensors, config.kv_transfer_host, rank, report_to,
+                                   config.kv_transfer_backend)
             self.sender.start()
         elif config.disaggregation_mode == "decode":
-            self.puller = KVPuller(zctx, tensors, rank, report_to, config.kv_transfer_timeout)
+            self.puller = KVPuller(zctx, tensors, rank, report_to, config.kv_transfer_timeout,
+                                   config.kv_transfer_backend)
             self.puller.start()
 
     @property
