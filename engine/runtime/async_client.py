@@ -65,9 +65,9 @@ class AsyncEngineClient:
         """Start the engine processes (blocking work runs in a thread) and the output reader."""
         self._loop = asyncio.get_running_loop()
         await asyncio.to_thread(self.launcher.start)
-        self.kv_transfer_addresses = [
-            self.launcher.ready_info[f"worker{r}"].get("kv_transfer", "")
-            for r in range(self.worker_ranks)]
+        if self.disaggregation_mode == "prefill":  # one node (checked): every rank reported here
+            self.kv_transfer_addresses = [self.launcher.ready_info[f"worker{r}"]["kv_transfer"]
+                                          for r in range(self.worker_ranks)]
         self._reader = asyncio.create_task(self._read_outputs())
 
         def failed(reason: str) -> None:
