@@ -55,7 +55,10 @@ def test_shutdown_stops_children_and_removes_sockets(tiny_model_dir):
 def test_signal_to_the_parent_leaves_no_orphans(tiny_model_dir, tmp_path, sig):
     script = tmp_path / "run.py"
     script.write_text(textwrap.dedent(f"""
-        import sys, time
+        import signal, sys, time
+        # Ctrl-C semantics, whatever the parent left: a job started in the background by a
+        # non-interactive shell inherits SIGINT ignored.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         from engine import LLM
         llm = LLM({str(tiny_model_dir)!r}, num_kv_blocks=64)
         launcher = llm.client.launcher
