@@ -24,9 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import time
@@ -44,22 +42,13 @@ sys.path.insert(0, str(REPO))
 from frontend.bench.client import RequestResult, payload, send  # noqa: E402
 from frontend.bench.datasets import BenchRequest, random_requests  # noqa: E402
 from frontend.bench.metrics import summarize  # noqa: E402
-from scripts.server_process import start_server  # noqa: E402
+from scripts.server_process import start_server, stop_server  # noqa: E402
 
 MODES = ("colocated", "disaggregated")
 KV_BYTES, KV_SECONDS = "deepinfer_kv_transfer_bytes_total", "deepinfer_kv_transfer_seconds_sum"
 
 
 # ---------------------------------------------------------------------------- processes
-
-
-def stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def start_router(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
@@ -167,15 +156,15 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     with ExitStack() as procs:
         if mode == "colocated":
             proc, url = start_server(serve_args(args, args.worker_threads))
-            procs.callback(stop, proc)
+            procs.callback(stop_server, proc)
         else:
             servers = {}
             for role in ("prefill", "decode"):
                 proc, servers[role] = start_server(
                     serve_args(args, threads_each, "--disaggregation-mode", role))
-                procs.callback(stop, proc)
+                procs.callback(stop_server, proc)
             proc, url = start_router(servers["prefill"], servers["decode"])
-            procs.callback(stop, proc)
+            procs.callback(stop_server, proc)
         start = time.perf_counter()
         out = report(asyncio.run(workload(url, args)), args.duration)
         out["wall_s_with_warmup"] = time.perf_counter() - start

@@ -15,8 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -28,7 +26,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.server_process import start_server  # noqa: E402
+from scripts.server_process import start_server, stop_server  # noqa: E402
 
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "baking", "painting",
           "cycling", "history", "music", "geology", "poetry"]
@@ -102,8 +100,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             out[policy] = asyncio.run(workload(url, args))
         finally:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_server(proc)
         print(policy, json.dumps(out[policy]))
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(out, indent=2))

@@ -4,6 +4,7 @@ engine's processes and their resident memory."""
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -42,6 +43,18 @@ def start_server(serve_args: list[str], timeout: float = 600.0,
             time.sleep(0.5)
     proc.kill()
     raise RuntimeError(f"deepinfer {command} {' '.join(serve_args)} did not start")
+
+
+def stop_server(proc: subprocess.Popen, timeout: float = 60.0) -> None:
+    """SIGTERM a server started by `start_server` (its whole process group), SIGKILL after
+    `timeout` seconds."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def descendants(pid: int) -> dict[int, str]:

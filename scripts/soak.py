@@ -20,7 +20,6 @@ import json
 import os
 import random
 import re
-import signal
 import sys
 import threading
 import time
@@ -32,7 +31,7 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from scripts.server_process import descendants, rss_mb, start_server  # noqa: E402
+from scripts.server_process import descendants, rss_mb, start_server, stop_server  # noqa: E402
 
 # Each must be refused with a 400 (and leave nothing behind).
 BAD_BODIES = [
@@ -184,8 +183,7 @@ def soak(args: argparse.Namespace) -> dict:
                 "healthy_after": healthy, "rss": sampler.report(args.warmup_share)}
     finally:
         if proc is not None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=60)
+            stop_server(proc)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -43,6 +43,7 @@ class KVPuller(threading.Thread):
         super().__init__(name="deepinfer-kv-puller", daemon=True)
         self.zctx, self.tensors, self.rank = zctx, tensors, rank
         self.report_to, self.timeout = report_to, timeout
+        self.on_gpu = any(t.is_cuda for ts in tensors for t in ts)
         self.jobs: queue.Queue[KVPull] = queue.Queue()
         self.lock = threading.Lock()
         self.active: set[str] = set()  # requests with a pull submitted and not yet reported
@@ -132,7 +133,7 @@ class KVPuller(threading.Thread):
                     return KVTransferDone(rid, self.rank, error=reply.error)
         except _Stop as stop:
             return stop.done
-        if any(t.is_cuda for ts in self.tensors for t in ts):
+        if self.on_gpu:  # the copies must have landed before the scheduler hears of them
             torch.cuda.synchronize()
         release()
         return KVTransferDone(rid, self.rank, blocks=len(pairs[0]) if pairs else 0,
