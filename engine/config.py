@@ -19,12 +19,15 @@ from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
-           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS"]
+           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("zmq", "nixl")
+# --quantization: weights as stored (none: float, dequantizing a quantized checkpoint), int8
+# (weight-only, per output channel, quantized at load) or fp8 (e4m3, 128 x 128 block scales).
+QUANTIZATIONS = ("none", "int8", "fp8")
 # What `pip install 'deepinfer[nixl]'` (nixl-cu12) or `pip install nixl` (both) put in place.
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -80,6 +83,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while
     # the second copy costs at most an eighth of RAM).
     cpu_linear_weights: str = "auto"
+    # Linear weights (QUANTIZATIONS); None: as the checkpoint has them (an fp8 checkpoint's
+    # config says so, a GGUF's tensors keep their types, anything else stays float).
+    quantization: str | None = None
     # Speculative decoding: None (off), "ngram" (prompt lookup), "draft" (a smaller model with
     # the same tokenizer, --speculative-model) or "mtp" (the model's own multi-token heads).
     speculative_method: str | None = None
@@ -149,6 +155,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(timeout > 0, f"--grammar-compile-timeout must be positive, got {timeout:g}")
         _require(self.grammar_max_bytes >= 1,
                  f"--grammar-max-bytes must be at least 1, got {self.grammar_max_bytes}")
+
+    def check_quantization(self) -> None:
+        _require(self.quantization is None or self.quantization in QUANTIZATIONS,
+                 f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
+                 f"not {self.quantization!r}")
+        _require(self.quantization in (None, "none") or self.dtype == "float32",
+                 f"--quantization {self.quantization} computes in float32 (not --dtype "
+                 f"{self.dtype})")
 
     def check_disaggregation(self) -> None:
         """Raise ModelConfigError, naming the flag, for unusable disaggregation settings."""

@@ -19,3 +19,10 @@ def worker_threads() -> int | None:
 
 def log_level() -> str:
     return os.environ.get("DEEPINFER_LOG_LEVEL", "INFO").upper()
+
+
+def int8_dynamic_activations() -> bool:
+    """DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: int8 linears take more than 4 rows through FBGEMM's
+    u8 x s8 GEMM with per-token activations (W8A8: faster for prefill and big batches, but the
+    7-bit activations change the default model's greedy text early; workers/quantization)."""
+    return os.environ.get("DEEPINFER_INT8_DYNAMIC_ACTIVATIONS", "") not in ("", "0")

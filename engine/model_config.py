@@ -252,6 +252,11 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     embed_scale: float = 1.0  # token embeddings are multiplied by this (Gemma: sqrt(hidden))
     norm_offset: float = 0.0  # RMSNorm scales by (offset + weight) (Gemma: 1)
     final_logit_softcapping: float | None = None
+    # How the checkpoint's own weights are quantized (config.json quantization_config): None
+    # (float) or "fp8" (e4m3 with block scales, DeepSeek-V3's `weight_scale_inv`, in blocks of
+    # fp8_block rows x columns). A GGUF's types are read from the file itself.
+    quantization: str | None = None
+    fp8_block: tuple[int, int] = (128, 128)
 
     @property
     def mla(self) -> bool:
@@ -333,7 +338,24 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
             **(mla_fields(cfg) if model_type == "deepseek_v3" else
                {"q_lora_rank": cfg["q_lora_rank"]} if compressed is not None else {}),
             compressed=compressed,
+            **checkpoint_quantization(raw),
         )
+
+
+def checkpoint_quantization(raw: dict) -> dict[str, Any]:
+    """The ModelConfig fields for config.json's quantization_config; a scheme DeepInfer cannot
+    run is refused by name rather than loaded as garbage."""
+    qc = raw.get("quantization_config")
+    if not qc:
+        return {}
+    method = qc.get("quant_method")
+    if method != "fp8":
+        raise ModelConfigError(f"quantization_config.quant_method {method!r} is not supported "
+                               "(DeepInfer reads fp8 checkpoints with block scales and GGUF files)")
+    if qc.get("activation_scheme", "dynamic") != "dynamic" or qc.get("fmt", "e4m3") != "e4m3":
+        raise ModelConfigError("only fp8 e4m3 checkpoints with dynamic activations are supported")
+    block = qc.get("weight_block_size") or (128, 128)
+    return {"quantization": "fp8", "fp8_block": (int(block[0]), int(block[1]))}
 
 
 def v4_cache_entries(cfg: ModelConfig, block_size: int) -> tuple[LayerKVSpec, ...]:

@@ -16,6 +16,7 @@ from engine.config import (
     DISAGGREGATION_MODES,
     KV_TRANSFER_BACKENDS,
     MAX_SPECULATIVE_TOKENS,
+    QUANTIZATIONS,
     SPECULATIVE_METHODS,
     EngineConfig,
     ModelConfigError,
@@ -48,6 +49,9 @@ _ENGINE_ARGS = [
     ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
     ("--cpu-linear-weights", str, "copies of each linear weight on CPU: both (fastest, 2x "
      "memory), packed, plain, or auto (both while cheap, default)"),
+    ("--quantization", str, "linear weights: int8 (weight-only, per channel, quantized at "
+     "load), fp8 (e4m3 block scales), none (float; dequantizes a quantized checkpoint); default: "
+     "as the checkpoint stores them (a GGUF keeps its types)"),
     ("--speculative-method", str, "speculative decoding: ngram (prompt lookup), draft (a smaller "
      "model, --speculative-model) or mtp (the model's multi-token heads); default off"),
     ("--num-speculative-tokens", int, f"draft tokens per step, 1 to {MAX_SPECULATIVE_TOKENS} "
@@ -75,6 +79,7 @@ _ENGINE_ARGS = [
 ]
 # Flags whose values argparse checks (a typo is refused before anything starts).
 _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
+                   "--quantization": QUANTIZATIONS,
                    "--disaggregation-mode": DISAGGREGATION_MODES,
                    "--kv-transfer-backend": KV_TRANSFER_BACKENDS}
 # On/off switches (--x / --no-x); unset keeps the default.

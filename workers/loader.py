@@ -1,8 +1,14 @@
-"""Build a model from an HF directory: config.json + *.safetensors, fused params by name."""
+"""Build a model from an HF directory (config.json + *.safetensors, fused params by name) or from
+a GGUF's sidecar directory (engine/model_store/gguf_model.py), its weights read from the GGUF.
+
+Quantized checkpoint weights (a GGUF's blocks, an fp8 checkpoint's `weight` + `weight_scale_inv`)
+reach the layers that keep them quantized (linears, the vocabulary embedding) as they are, and
+any other layer dequantized; `quantization` then settles each linear's final form."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -10,30 +16,37 @@ from safetensors import safe_open
 from torch import nn
 
 from engine.model_config import ModelConfig
+from engine.model_store.gguf_model import gguf_source
 from workers.attention import AttentionBackend, select_backend
 from workers.layers.checkpoint_tensor import LazyTensor, materialize
 from workers.layers.linear import Linear, MergedLinear, resolve_weight_copies
 from workers.layers.moe import FusedExperts
+from workers.layers.vocab_parallel import VocabParallelEmbedding
 from workers.models import model_class
+from workers.quantization.fp8 import from_checkpoint
+from workers.quantization.gguf import gguf_weights
+from workers.quantization.weight import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # One expert's weight, as HF checkpoints store them: (experts module, expert, projection).
 # Fused [E, ...] expert tensors (`experts.gate_up_proj`) load by name like any parameter.
 EXPERT_WEIGHT = re.compile(r"(.+\.experts)\.(\d+)\.(\w+)\.weight$")
+FP8_SCALE = "_scale_inv"  # an fp8 weight's block scales: `X.weight` -> `X.weight_scale_inv`
 
 
 def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "auto",
-               attention: AttentionBackend | None = None, cls: type | None = None
-               ) -> nn.Module:
+               attention: AttentionBackend | None = None, cls: type | None = None,
+               quantization: str | None = None) -> nn.Module:
     """The model with its weights, ready to run: packed, fused paths chosen. `weight_copies`:
     which copies of each linear weight to keep on CPU (workers/layers/linear.py); `cls`: another
-    module built from the same checkpoint (default: the architecture's model)."""
+    module built from the same checkpoint (default: the architecture's model); `quantization`:
+    the linears' weights (engine/config.py QUANTIZATIONS; None: as the checkpoint has them)."""
     cfg = ModelConfig.from_dir(model_dir)
     cls = cls or model_class(cfg.architecture)
     torch_dtype = DTYPES[dtype]
     with torch.device("cpu"):
         model = cls(cfg, attention or select_backend("cpu", torch_dtype))
-    load_weights(model, model_dir)
+    load_weights(model, model_dir, cfg)
     for module in model.modules():  # checkpoint conventions folded in, in float32
         if hasattr(module, "after_load"):
             module.after_load()
@@ -44,29 +57,56 @@ def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "aut
     # Weights final: packing and hot-path choices, each module after the ones inside it.
     for module in reversed(list(model.modules())):
         if isinstance(module, Linear):
-            module.finalize(copies)
+            module.finalize(copies, quantization)
+        elif isinstance(module, VocabParallelEmbedding):
+            module.finalize(quantization)
         elif hasattr(module, "finalize"):
             module.finalize()
     return model.eval()
 
 
-def load_weights(model: nn.Module, model_dir: str) -> None:
+def checkpoint_tensors(model_dir: str, cfg: ModelConfig
+                       ) -> Iterator[tuple[str, LazyTensor | torch.Tensor | QuantizedWeight]]:
+    """Every weight of the checkpoint by name: lazily read safetensors slices (an fp8 weight with
+    its block scales as one QuantizedWeight), or a GGUF's tensors."""
+    source = gguf_source(model_dir)
+    if source is not None:
+        yield from gguf_weights(str(source))
+        return
+    files = sorted(Path(model_dir).glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    scale_files = {}  # fp8 block scales, wherever their weight lies
+    if cfg.quantization == "fp8":
+        for path in files:
+            with safe_open(str(path), framework="pt") as f:
+                scale_files.update({n: path for n in f.keys() if n.endswith(FP8_SCALE)})
+    for path in files:
+        with safe_open(str(path), framework="pt") as f:
+            for name in f.keys():
+                if name.endswith(FP8_SCALE):
+                    continue
+                scale = scale_files.get(name + FP8_SCALE)
+                if scale is not None:
+                    with safe_open(str(scale), framework="pt") as s:
+                        scale_inv = s.get_tensor(name + FP8_SCALE)
+                    yield name, from_checkpoint(f.get_tensor(name), scale_inv, cfg.fp8_block)
+                    continue
+                # Read when a layer has taken its part (all of it, without parallelism).
+                sliced = f.get_slice(name)
+                yield name, LazyTensor(sliced, tuple(sliced.get_shape()))
+
+
+def load_weights(model: nn.Module, model_dir: str, cfg: ModelConfig | None = None) -> None:
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
     skips = getattr(model, "skips_weight", None)  # weights that are someone else's (MTP)
-    files = sorted(Path(model_dir).glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-    for path in files:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():
-                if "rotary_emb.inv_freq" in name or (skips is not None and skips(name)):
-                    continue
-                # Read when a layer has taken its part (all of it, without parallelism).
-                source = f.get_slice(name)
-                tensor = LazyTensor(source, tuple(source.get_shape()))
-                loaded.add(_load_one(model, params, modules, name, tensor))
+    cfg = cfg or ModelConfig.from_dir(model_dir)
+    for name, tensor in checkpoint_tensors(model_dir, cfg):
+        if "rotary_emb.inv_freq" in name or (skips is not None and skips(name)):
+            continue
+        loaded.add(_load_one(model, params, modules, name, tensor))
     if getattr(model, "tie_word_embeddings", False):
         model.tie_weights()
         loaded.add("lm_head.weight")
@@ -86,6 +126,7 @@ def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
         module = modules[expert[1]]
         assert isinstance(module, FusedExperts)
         part = model.expert_params[expert[3]]
+        tensor = materialize(tensor)  # experts are kept in float
         return f"{expert[1]}.{module.load_expert(int(expert[2]), part, tensor)}"
     for fragment, (fused, part) in model.stacked_params.items():
         if f".{fragment}." in name:
@@ -105,5 +146,10 @@ def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
         tensor = part(tensor)
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
+    owner = modules[name.rpartition(".")[0]]
+    if (isinstance(tensor, QuantizedWeight) and name.endswith(".weight")
+            and hasattr(owner, "load_quantized")):
+        owner.load_quantized(tensor)
+        return name
     param.data.copy_(materialize(tensor))
     return name

@@ -43,7 +43,8 @@ class ModelRunner:
         # Chosen now, so the native kernel builds (or loads) at start, not in the first step.
         self.attention = select_backend("cpu", dtype)
         self.model = load_model(config.resolved_model_dir(), config.dtype,
-                                config.cpu_linear_weights, self.attention)
+                                config.cpu_linear_weights, self.attention,
+                                quantization=config.quantization)
         spec = config.kv_cache_spec()
         self.groups = [g.kind for g in spec.groups()]
         self.windows = [g.window for g in spec.groups()]

@@ -14,6 +14,7 @@ import msgspec
 
 from engine import envs
 from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from engine.model_store.gguf_model import gguf_source, prepare_gguf_model
 from engine.model_store.prepare import prepare
 from engine.model_store.recipes import RECIPES, find_recipe
 
@@ -27,15 +28,18 @@ def _hint(path: Path) -> str:
 
 
 def check_model_dir(model_dir: str | Path) -> None:
-    """Raise ModelConfigError unless `model_dir` holds a parseable config.json, safetensors
-    weights and a tokenizer.json."""
+    """Raise ModelConfigError unless `model_dir` holds a parseable config.json, weights
+    (safetensors, or the GGUF a sidecar directory stands for) and a tokenizer.json."""
     path = Path(model_dir)
     try:
         ModelConfig.from_dir(str(path))
     except ModelConfigError as exc:
         hint = "" if (path / "config.json").is_file() else _hint(path)
         raise ModelConfigError(f"{exc}{hint}") from None
-    if not any(path.glob("*.safetensors")):
+    source = gguf_source(path)
+    if source is not None and not source.is_file():
+        raise ModelConfigError(f"{path} stands for the GGUF file {source}, which is gone")
+    if source is None and not any(path.glob("*.safetensors")):
         raise ModelConfigError(f"{path} has no *.safetensors weights")
     if not (path / "tokenizer.json").is_file():
         raise ModelConfigError(f"{path} has no tokenizer.json")
@@ -43,7 +47,13 @@ def check_model_dir(model_dir: str | Path) -> None:
 
 def ensure_model(model: str) -> str:
     """The --model value to run, checked: a named model is prepared on first use (progress on
-    stderr); a directory must look like a model. Raises ModelConfigError."""
+    stderr); a GGUF file is served through its sidecar directory (gguf_model.py), whose path
+    is returned; a directory must look like a model. Raises ModelConfigError."""
+    if model.endswith(".gguf") and not Path(model).expanduser().is_dir():
+        gguf = Path(model).expanduser()
+        if not gguf.is_file():
+            raise ModelConfigError(f"no GGUF file {model}")
+        model = str(prepare_gguf_model(gguf))
     recipe = find_recipe(model)
     if recipe is not None:
         path = prepare(recipe.name)
@@ -62,6 +72,7 @@ def ensure_config(config: EngineConfig) -> EngineConfig:
     config.check_speculative()
     config.check_structured()
     config.check_disaggregation()
+    config.check_quantization()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))
     config.check_parallel()
     if config.speculative_method == "draft":

@@ -17,6 +17,7 @@ import torch
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import fused as cpu_fused
 from kernels.cpu import linear as cpu_linear
+from kernels.cpu import quant_linear as cpu_quant_linear
 from kernels.cpu.native import NativeOp
 
 _OP = NativeOp("decode_layer", "decode_layer.cpp", "decode_layer")
@@ -28,11 +29,15 @@ EMPTY = torch.empty(0)  # a weight with no plain copy (only the packed one is ke
 class LinearWeights:
     """One linear as the op reads it: the plain [out, in] weight (read by the small-M kernel up
     to 4 rows; EMPTY when only the packed copy is kept) and the oneDNN-packed one (used above 4
-    rows; None: the small-M kernel throughout)."""
+    rows; None: the small-M kernel throughout). A quantized weight (int8, fp8 or 4-bit: plain is
+    its qweight, with its scales and mins, workers/quantization/weight.py) has no packed copy:
+    the quantized small-M kernel takes it."""
 
     plain: torch.Tensor
     packed: torch.Tensor | None
     bias: torch.Tensor | None = None
+    scales: torch.Tensor | None = None
+    mins: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -63,7 +68,8 @@ def build_error() -> str | None:
 def available(*tensors: torch.Tensor | None) -> bool:
     """True when this op and the ops it calls are built and take these tensors."""
     return (cpu_fused.available(*tensors) and cpu_linear.available(*tensors)
-            and cpu_attention.available(*tensors) and _OP.available(*tensors))
+            and cpu_attention.available(*tensors) and cpu_quant_linear.available(*tensors)
+            and _OP.available(*tensors))
 
 
 def decode_layer(x: torch.Tensor, residual: torch.Tensor, w: DecodeLayerWeights,
@@ -74,7 +80,9 @@ def decode_layer(x: torch.Tensor, residual: torch.Tensor, w: DecodeLayerWeights,
     """One layer for [T, hidden] decode rows: returns its output; `residual` (x itself at layer
     0) is updated in place. The attention arguments are those of
     `attention.paged_decode_attention`, the rotary ones of `fused.rope_store_kv`."""
+    linears = (w.qkv, w.o, w.gate_up, w.down)
     return _OP(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv.plain, w.qkv.bias,
                w.o.plain, w.gate_up.plain, w.down.plain, w.qkv.packed, w.o.packed,
                w.gate_up.packed, w.down.packed, cos, sin, positions, k_cache, v_cache, slots,
-               block_tables, key_lo, key_hi, w.num_heads, w.num_kv_heads, w.scale, first_layer)
+               block_tables, key_lo, key_hi, w.num_heads, w.num_kv_heads, w.scale, first_layer,
+               [lin.scales for lin in linears], [lin.mins for lin in linears])

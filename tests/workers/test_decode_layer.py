@@ -16,6 +16,23 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+def prompt_then_decodes(prompts: dict[str, list[int]], steps: int,
+                        rng: np.random.Generator) -> list[StepPlan]:
+    """One step prefilling every prompt (10 blocks a request), then `steps` decode steps."""
+    tables = {rid: np.arange(10 * i, 10 * i + 10, dtype=np.int32) for i, rid in enumerate(prompts)}
+
+    def seq(rid: str, tokens: list[int], start: int) -> ScheduledSeq:
+        return ScheduledSeq(rid, pack_ids(tokens), start, [tables[rid].tobytes()], True)
+
+    news = [NewRequestInfo(rid, pack_ids(p), SamplingParams(max_tokens=20))
+            for rid, p in prompts.items()]
+    plans = [StepPlan(0, [seq(rid, p, 0) for rid, p in prompts.items()], new_requests=news)]
+    for step in range(steps):
+        plans.append(StepPlan(step + 1, [seq(rid, [int(rng.integers(3, 40000))], len(p) + step)
+                                         for rid, p in prompts.items()]))
+    return plans
+
+
 @pytest.mark.parametrize("arch,overrides", [
     ("llama", {}),
     ("mistral", dict(sliding_window=7)),  # every layer sliding: window bounds per row
@@ -37,24 +54,30 @@ def test_matches_python_layers(tmp_path, arch: str, overrides: dict, batch: int,
     rng = np.random.default_rng(0)
     prompts = {f"r{i}": rng.integers(3, 40000, int(rng.integers(5, 22))).tolist()
                for i in range(batch)}
-    tables = {rid: np.arange(10 * i, 10 * i + 10, dtype=np.int32) for i, rid in enumerate(prompts)}
-
-    def seq(rid: str, tokens: list[int], start: int) -> ScheduledSeq:
-        return ScheduledSeq(rid, pack_ids(tokens), start, [tables[rid].tobytes()], True)
-
-    news = [NewRequestInfo(rid, pack_ids(p), SamplingParams(max_tokens=20))
-            for rid, p in prompts.items()]
-    plans = [StepPlan(0, [seq(rid, p, 0) for rid, p in prompts.items()], new_requests=news)]
-    pos = {rid: len(p) for rid, p in prompts.items()}
-    for step in range(1, 13):
-        plans.append(StepPlan(step, [seq(rid, [int(rng.integers(3, 40000))], pos[rid])
-                                     for rid in prompts]))
-        for rid in prompts:
-            pos[rid] += 1
-    for plan in plans:
+    for plan in prompt_then_decodes(prompts, 12, rng):
         ours = fast.all_logits(plan)
         ref = slow.all_logits(plan)
         assert (ours - ref).abs().max().item() < 1e-4, f"step {plan.step_id}"
     for (k_fast, v_fast), (k_slow, v_slow) in zip(fast.kv_caches, slow.kv_caches):
         torch.testing.assert_close(k_fast, k_slow, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(v_fast, v_slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization", ["int8", "fp8"])
+def test_quantized_weights_match_python_layers(tmp_path, quantization: str) -> None:
+    """Quantized linears inside the one-call layer (at most 4 rows) against the Python layers
+    calling the same kernels one by one."""
+    from workers.model_runner import ModelRunner
+
+    model_dir = save_tiny_model(tmp_path, "qwen2", num_key_value_heads=2, intermediate_size=128)
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4,
+                       quantization=quantization)
+    fast, slow = ModelRunner(cfg), ModelRunner(cfg)
+    assert fast.model.model.fast_layers, "the one-call decode layer should be in use"
+    assert fast.model.model.layers[0].mlp.down_proj.quant.weight.kind == quantization
+    slow.model.model.fast_layers = None
+    rng = np.random.default_rng(1)
+    prompts = {f"r{i}": rng.integers(3, 40000, 9).tolist() for i in range(3)}
+    for plan in prompt_then_decodes(prompts, 7, rng):
+        ours, ref = fast.all_logits(plan), slow.all_logits(plan)
+        assert (ours - ref).abs().max().item() < 1e-4, f"step {plan.step_id}"

@@ -34,5 +34,10 @@ class LazyTensor:
         return self._source[self._index]
 
 
-def materialize(t: torch.Tensor | LazyTensor) -> torch.Tensor:
-    return t.read() if isinstance(t, LazyTensor) else t
+def materialize(t) -> torch.Tensor:
+    """The float tensor a checkpoint tensor stands for: read if lazy, dequantized if quantized
+    (a layer that keeps quantized weights takes them before this)."""
+    if isinstance(t, LazyTensor):
+        return t.read()
+    dequantize = getattr(t, "dequantize", None)  # a QuantizedWeight (workers/quantization)
+    return dequantize() if dequantize is not None and not isinstance(t, torch.Tensor) else t

@@ -7,6 +7,8 @@
   `mkldnn._linear_pointwise` (1.6-3x faster than MKL's small-M GEMM, see DESIGN.md); the weight
   is reordered once by `finalize()`.
 - Elsewhere (CUDA, half precision, no compiler, no mkldnn): plain `F.linear`.
+- Quantized weights (a GGUF's or an fp8 checkpoint's as loaded, or --quantization int8 / fp8 at
+  `finalize`): workers/quantization/matmul.py, which picks its own paths by batch size.
 
 The two fast paths need different copies of a weight. `finalize(copies=...)` keeps "both" (the
 fastest path at every batch size, twice the weight memory), "packed" (oneDNN at every batch
@@ -25,6 +27,9 @@ from torch import nn
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu.decode_layer import EMPTY, LinearWeights
 from workers.layers.checkpoint_tensor import materialize
+from workers.quantization.fp8 import quantize_fp8_weight
+from workers.quantization.matmul import QuantizedMatmul
+from workers.quantization.weight import QuantizedWeight, cat_rows, quantize_int8
 
 SMALL_M = 4  # largest batch the weight-streaming kernel handles better than a GEMM
 WEIGHT_COPIES = ("auto", "both", "packed", "plain")
@@ -65,9 +70,20 @@ class Linear(nn.Module):
         # Plain attributes for the hot path (nn.Module's parameter lookup costs ~1 us a call).
         self._w: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
+        # A quantized weight as the checkpoint had it (per fused part, in order), and how it is
+        # multiplied once final; then `weight` is left empty.
+        self.quantized_parts: dict[str | None, QuantizedWeight] = {}
+        self.quant: QuantizedMatmul | _ConcatMatmul | None = None
 
-    def finalize(self, copies: str = "both") -> None:
-        """Called once after the weights are loaded; `copies`: both, packed or plain."""
+    def load_quantized(self, weight: QuantizedWeight, part: str | None = None) -> None:
+        self.quantized_parts[part] = weight
+
+    def finalize(self, copies: str = "both", quantization: str | None = None) -> None:
+        """Called once after the weights are loaded; `copies`: both, packed or plain;
+        `quantization`: None (as loaded), none (float), int8 or fp8 (engine/config.py)."""
+        self._b = None if self.bias is None else self.bias.data
+        if self._finalize_quantized(quantization):
+            return
         w = self.weight.data
         native = w.is_contiguous() and cpu_linear.available(w, self.bias)
         self.small_m = native and copies in ("both", "plain")
@@ -78,13 +94,47 @@ class Linear(nn.Module):
         self._w = self.weight.data
         self._b = None if self.bias is None else self.bias.data
 
+    def _finalize_quantized(self, quantization: str | None) -> bool:
+        """Settle the weight's final form; True when it ends quantized."""
+        parts = list(self.quantized_parts.values())
+        self.quantized_parts = {}
+        if quantization == "none" or (quantization is not None and parts and any(
+                p.kind != quantization for p in parts)):
+            if parts:  # back to float (then quantized again below, if asked)
+                self.weight.data = torch.cat([p.dequantize() for p in parts])
+                parts = []
+        if not parts and quantization in ("int8", "fp8"):
+            w = self.weight.data
+            quantized = quantize_int8(w) if quantization == "int8" else quantize_fp8_weight(w)
+            if not isinstance(quantized, QuantizedWeight):  # no whole fp8 blocks: stays float
+                return False
+            parts = [quantized]
+        if not parts:
+            return False
+        if len(parts) > 1 and len({(p.kind, p.group_size) for p in parts}) > 1:
+            # Parts quantized differently (a Q4_K_M GGUF's q|k|v): one product each.
+            self.quant = _ConcatMatmul([QuantizedMatmul(p, None) for p in parts], self._b)
+        else:
+            self.quant = QuantizedMatmul(cat_rows(parts) if len(parts) > 1 else parts[0],
+                                         self._b)
+        self.weight.data = torch.empty(0)
+        self._w = self.weight.data
+        return True
+
     def weights(self) -> LinearWeights | None:
         """The weights as the one-call decode layer reads them; None when it cannot."""
+        if self.quant is not None:
+            q = self.quant
+            if not isinstance(q, QuantizedMatmul) or not q.native:
+                return None
+            return LinearWeights(q.weight.qweight, None, self._b, q.weight.scales, q.weight.mins)
         if not (self.small_m or self.packed is not None):
             return None
         return LinearWeights(self._w if self.small_m else EMPTY, self.packed, self._b)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quant is not None:
+            return self.quant(x)
         if self.small_m and x.shape[0] <= SMALL_M:
             return cpu_linear.linear_small_m(x, self._w, self._b)
         if self.packed is not None:
@@ -110,11 +160,31 @@ class MergedLinear(Linear):
             self.parts[name] = (offset, size)
             offset += size
 
-    def load_part(self, part: str, tensor: torch.Tensor, is_bias: bool = False) -> None:
+    def load_part(self, part: str, tensor: torch.Tensor | QuantizedWeight,
+                  is_bias: bool = False) -> None:
         offset, size = self.parts[part]
         target = self.bias if is_bias else self.weight
         tensor = tensor.narrow(0, self.sources.get(part, 0), size)
+        if isinstance(tensor, QuantizedWeight) and not is_bias:
+            self.load_quantized(tensor, part)
+            return
         target.data[offset: offset + size].copy_(materialize(tensor))
+
+    def load_quantized(self, weight: QuantizedWeight, part: str | None = None) -> None:
+        super().load_quantized(weight, part)
+        if part is not None and len(self.quantized_parts) == len(self.parts):
+            # Loaded in any order; fused in the order of the parts.
+            self.quantized_parts = {p: self.quantized_parts[p] for p in self.parts}
+
+    def _finalize_quantized(self, quantization: str | None) -> bool:
+        if self.quantized_parts and len(self.quantized_parts) < len(self.parts):
+            missing = sorted(set(self.parts) - set(self.quantized_parts))
+            # Some parts came as floats: make them the same kind of weight as the others.
+            for part in missing:
+                offset, size = self.parts[part]
+                self.quantized_parts[part] = quantize_int8(self.weight.data[offset:offset + size])
+            self.quantized_parts = {p: self.quantized_parts[p] for p in self.parts}
+        return super()._finalize_quantized(quantization)
 
 
 class PlainWeight(nn.Module):
@@ -152,3 +222,15 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(super().forward(x))
+
+
+class _ConcatMatmul:
+    """A fused linear whose parts are quantized differently: each part's product, side by side."""
+
+    def __init__(self, parts: list[QuantizedMatmul], bias: torch.Tensor | None) -> None:
+        self.parts = parts
+        self.bias = bias
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.cat([part(x) for part in self.parts], dim=-1)
+        return y if self.bias is None else y + self.bias

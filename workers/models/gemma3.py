@@ -21,6 +21,7 @@ from engine.model_config import SLIDING, ModelConfig
 from workers.attention import AttentionBackend, AttentionMetadata
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
+from workers.layers.vocab_parallel import VocabParallelEmbedding
 from workers.models.llama import Attention, LlamaForCausalLM, MLPFactory, dense_mlp
 
 
@@ -59,8 +60,7 @@ class Gemma3Model(nn.Module):
         full = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         sliding = full if cfg.rope_sliding is None else RotaryEmbedding(
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_sliding)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.embed_scale
         spec = cfg.kv_cache_spec()
         self.layers = nn.ModuleList(

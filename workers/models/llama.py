@@ -239,4 +239,8 @@ class LlamaForCausalLM(nn.Module):
 
     def tie_weights(self) -> None:
         if self.tie_word_embeddings:
-            self.lm_head.weight.data = self.model.embed_tokens.weight.data
+            embed = self.model.embed_tokens
+            if getattr(embed, "quantized", None) is not None:  # one quantized copy for both
+                self.lm_head.load_quantized(embed.quantized)
+            else:
+                self.lm_head.weight.data = embed.weight.data

@@ -9,7 +9,8 @@
 // The residual stream is updated in place (at layer 0 it is x itself); returns the layer's
 // output. Only for rows that are all decodes (one token each). Linears take the plain weight
 // through the small-M kernel for up to 4 rows and the oneDNN-packed one above, as
-// workers/layers/linear.py does.
+// workers/layers/linear.py does; a quantized weight (it comes with scales) goes to the
+// quantized small-M kernel (quant_linear.cpp), for up to 4 rows.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -30,12 +31,19 @@ constexpr int64_t kSmallM = 4;  // workers/layers/linear.py SMALL_M
 
 // y = x W^T (+ b): the small-M kernel on the plain weight, or oneDNN on the packed one. A
 // linear may keep only one copy: an empty plain weight means packed only, no packed one means
-// the small-M kernel at every row count.
+// the small-M kernel at every row count. With scales, the weight is quantized.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& packed,
-                  const OptTensor& bias) {
+                  const OptTensor& bias, const OptTensor& scales, const OptTensor& mins) {
   static const auto small_m =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
           "deepinfer_cpu::linear_small_m");
+  static const auto quant_small_m =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                    const OptTensor&)>("deepinfer_cpu::quant_linear_small_m");
+  if (scales.has_value()) {
+    TORCH_CHECK(x.size(0) <= kSmallM, "a quantized linear takes at most ", kSmallM, " rows here");
+    return quant_small_m.call(x, weight, *scales, mins, bias);
+  }
   static const auto onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
   const bool has_plain = weight.numel() > 0;
@@ -60,7 +68,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& k_cache, const at::Tensor& v_cache,
                         const at::Tensor& slots, const at::Tensor& block_tables,
                         const at::Tensor& key_lo, const at::Tensor& key_hi, int64_t num_heads,
-                        int64_t num_kv_heads, double scale, bool first_layer) {
+                        int64_t num_kv_heads, double scale, bool first_layer,
+                        const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins) {
   static const auto norm =
       op<at::Tensor(const at::Tensor&, const OptTensor&, const at::Tensor&, double)>(
           "deepinfer_cpu::add_rms_norm");
@@ -81,18 +90,20 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
   // Layer 0: the residual stream starts as x itself (the caller passes x as `residual`).
   const at::Tensor h = first_layer ? norm.call(x, std::nullopt, input_norm, eps)
                                    : norm.call(x, residual, input_norm, eps);
-  const at::Tensor qkv = linear(h, qkv_weight, qkv_packed, qkv_bias);
+  TORCH_CHECK(scales.size() == 4 && mins.size() == 4, "one scale and min entry per linear");
+  const at::Tensor qkv = linear(h, qkv_weight, qkv_packed, qkv_bias, scales.get(0), mins.get(0));
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   rope.call(q, k, v, cos, sin, positions, k_cache, v_cache, slots);
   const at::Tensor o = attention.call(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale);
-  const at::Tensor attn_out = linear(o.view({T, q_size}), o_weight, o_packed, std::nullopt);
+  const at::Tensor attn_out =
+      linear(o.view({T, q_size}), o_weight, o_packed, std::nullopt, scales.get(1), mins.get(1));
   const at::Tensor h2 = norm.call(attn_out, residual, post_norm, eps);
-  const at::Tensor act =
-      silu_and_mul.call(linear(h2, gate_up_weight, gate_up_packed, std::nullopt));
-  return linear(act, down_weight, down_packed, std::nullopt);
+  const at::Tensor act = silu_and_mul.call(
+      linear(h2, gate_up_weight, gate_up_packed, std::nullopt, scales.get(2), mins.get(2)));
+  return linear(act, down_weight, down_packed, std::nullopt, scales.get(3), mins.get(3));
 }
 
 }  // namespace
@@ -103,7 +114,8 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "Tensor down_weight, Tensor? qkv_packed, Tensor? o_packed, Tensor? gate_up_packed, "
         "Tensor? down_packed, Tensor cos, Tensor sin, Tensor positions, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor key_lo, Tensor key_hi, "
-        "int num_heads, int num_kv_heads, float scale, bool first_layer) -> Tensor");
+        "int num_heads, int num_kv_heads, float scale, bool first_layer, Tensor?[] scales, "
+        "Tensor?[] mins) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) { m.impl("decode_layer", &decode_layer); }

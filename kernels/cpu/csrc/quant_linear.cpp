@@ -1,0 +1,629 @@
+// Linear layers on quantized weights (CPU): y[M, N] = x[M, K] @ dequant(w)[N, K]^T (+ bias).
+//
+// Three weight layouts (workers/quantization/weight.py), told apart by the weight's dtype:
+//   int8 [N, K]            w = q * scale                 (per channel, or groups of 16 / 32)
+//   float8_e4m3fn [N, K]   w = fp8(q) * scale            (groups along K, e.g. DeepSeek's 128)
+//   uint8 [N, K / 2]       w = q4 * scale + min          (groups of 32: byte j holds element j in
+//                                                          its low nibble, j + 16 in its high one)
+// scales (and mins) are float32 [N, K / group].
+//
+// quant_linear_small_m is for decode batches (M of 1..4), where a linear is bound by reading its
+// weight: the quantized bytes (a quarter or an eighth of float32's) stream once for all M rows.
+// int8 and 4-bit weights meet activations quantized to int8 per block of 32 (scale max|x| / 127,
+// as llama.cpp's Q8 activations): one u8 x s8 multiply-add instruction takes 32 products, where
+// decoding to floats took four conversions and four FMAs and made the kernel compute-bound.
+// fp8 weights are decoded to floats in registers and meet x as it is. The 4-bit min term is
+// min * sum(x over the group). Threads take contiguous slices of output
+// rows, with software prefetch as in linear.cpp.
+//
+// quant_linear_dequant is for larger M (prefill chunks, big decode batches): each thread
+// dequantizes a tile of weight rows into a float32 buffer that stays in cache and multiplies it
+// with a GEMM, so the float32 weight never exists whole.
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/mm.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <vector>
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+enum class Kind { kInt8, kFp8, kQ4 };
+
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int kV = 8;  // floats per vector
+using Vec = __m256;
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset1(float s) { return _mm256_set1_ps(s); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline float vsum(Vec v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+inline __m128i load16(const uint8_t* p) {
+  return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+}
+inline Vec i8x8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)); }
+inline Vec u8x8(__m128i b) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b)); }
+// e4m3fn (bias 7, no infinities) to float32: a normal number's exponent is rebiased by adding
+// 120; a subnormal (exponent 0) is its mantissa times 2^-9.
+inline Vec fp8x8(__m128i b) {
+  const __m256i v = _mm256_cvtepu8_epi32(b);
+  const __m256i e = _mm256_and_si256(v, _mm256_set1_epi32(0x7F));
+  const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24);
+  const __m256i normal =
+      _mm256_add_epi32(_mm256_slli_epi32(e, 20), _mm256_set1_epi32(120 << 23));
+  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(e), _mm256_set1_ps(1.0f / 512));
+  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), e));
+  const __m256 mag = _mm256_blendv_ps(_mm256_castsi256_ps(normal), sub, is_sub);
+  return _mm256_or_ps(mag, _mm256_castsi256_ps(sign));
+}
+// 16 bytes -> 16 int8 / fp8 weights (2 vectors) or 32 4-bit ones (4 vectors).
+template <Kind KD>
+inline void decode(const uint8_t* p, Vec* out) {
+  const __m128i b = load16(p);
+  if constexpr (KD == Kind::kInt8) {
+    out[0] = i8x8(b);
+    out[1] = i8x8(_mm_srli_si128(b, 8));
+  } else if constexpr (KD == Kind::kFp8) {
+    out[0] = fp8x8(b);
+    out[1] = fp8x8(_mm_srli_si128(b, 8));
+  } else {
+    const __m128i nib = _mm_set1_epi8(0x0F);
+    const __m128i lo = _mm_and_si128(b, nib), hi = _mm_and_si128(_mm_srli_epi16(b, 4), nib);
+    out[0] = u8x8(lo);
+    out[1] = u8x8(_mm_srli_si128(lo, 8));
+    out[2] = u8x8(hi);
+    out[3] = u8x8(_mm_srli_si128(hi, 8));
+  }
+}
+#else
+constexpr int kV = 8;  // portable: 8 lanes the auto-vectorizer can map to SSE
+struct Vec {
+  float v[kV];
+};
+inline Vec vzero() { return Vec{}; }
+inline Vec vload(const float* p) {
+  Vec r;
+  for (int i = 0; i < kV; ++i) r.v[i] = p[i];
+  return r;
+}
+inline void vstore(float* p, Vec v) {
+  for (int i = 0; i < kV; ++i) p[i] = v.v[i];
+}
+inline Vec vset1(float s) {
+  Vec r;
+  for (int i = 0; i < kV; ++i) r.v[i] = s;
+  return r;
+}
+inline Vec vfma(Vec a, Vec b, Vec c) {
+  for (int i = 0; i < kV; ++i) c.v[i] += a.v[i] * b.v[i];
+  return c;
+}
+inline float vsum(Vec v) {
+  float s = 0.f;
+  for (int i = 0; i < kV; ++i) s += v.v[i];
+  return s;
+}
+inline float fp8_value(uint8_t b) {
+  const int e = (b >> 3) & 0xF, m = b & 7;
+  const float mag = e == 0 ? m * (1.0f / 512) : std::ldexp(1.0f + m / 8.0f, e - 7);
+  return (b & 0x80) ? -mag : mag;
+}
+template <Kind KD>
+inline void decode(const uint8_t* p, Vec* out) {
+  for (int i = 0; i < 16; ++i) {
+    if constexpr (KD == Kind::kInt8) {
+      out[i / kV].v[i % kV] = static_cast<float>(static_cast<int8_t>(p[i]));
+    } else if constexpr (KD == Kind::kFp8) {
+      out[i / kV].v[i % kV] = fp8_value(p[i]);
+    } else {
+      out[i / kV].v[i % kV] = static_cast<float>(p[i] & 0xF);
+      out[(i + 16) / kV].v[i % kV] = static_cast<float>(p[i] >> 4);
+    }
+  }
+}
+#endif
+
+// Weights decoded per 16 bytes: 16 int8 / fp8 elements or 32 4-bit ones.
+template <Kind KD>
+constexpr int kStep = KD == Kind::kQ4 ? 32 : 16;
+template <Kind KD>
+constexpr int kNV = kStep<KD> / kV;
+template <Kind KD>
+constexpr int64_t row_bytes(int64_t K) {
+  return KD == Kind::kQ4 ? K / 2 : K;
+}
+
+// Weight bytes are prefetched this far ahead of where a row is read (rows are contiguous, so
+// that is a later row): 4 KiB measured fastest for a decode token of the default model's Q4_1
+// weights (~9.0 ms, against ~12 ms one group of rows ahead). A prefetch past the end never faults.
+constexpr int64_t kPfAhead = 4096;
+
+inline void prefetch(const uint8_t* p) {
+#if defined(__GNUC__)
+  __builtin_prefetch(p, 0, 2);  // into L2, as linear.cpp
+#else
+  (void)p;
+#endif
+}
+
+struct Weights {
+  const uint8_t* q;    // [N, row_bytes]
+  const float* scale;  // [N, G]
+  const float* min;    // [N, G] (4-bit) or null
+  int64_t K, G, g;     // features, groups per row, group size
+};
+
+// ---- fp8 weights against float activations ----
+
+// y[m, r] = dot(x[m], dequant(w row r)) (+ bias[r]) for m < MG, r < R, rows n0.. of w: each
+// group's partial dot product scaled once.
+template <int MG, int R>
+inline void fp8_rows_dot(const float* __restrict x, const Weights& w, int64_t n0,
+                         const float* bias, float* __restrict y, int64_t ldy) {
+  constexpr Kind KD = Kind::kFp8;
+  const int64_t K = w.K, G = w.G, g = w.g;
+  Vec total[MG][R];
+#pragma GCC unroll 16
+  for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) total[m][r] = vzero();
+  }
+  for (int64_t gi = 0; gi < G; ++gi) {
+    Vec part[MG][R];
+#pragma GCC unroll 16
+    for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) part[m][r] = vzero();
+    }
+    for (int64_t k = gi * g; k < (gi + 1) * g; k += kStep<KD>) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* wr = w.q + (n0 + r) * K + k;
+        if ((k & 63) == 0) prefetch(wr + kPfAhead);  // once a cache line
+        Vec wv[kNV<KD>];
+        decode<KD>(wr, wv);
+#pragma GCC unroll 16
+        for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+          for (int v = 0; v < kNV<KD>; ++v) {
+            part[m][r] = vfma(vload(x + m * K + k + v * kV), wv[v], part[m][r]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec s = vset1(w.scale[(n0 + r) * G + gi]);
+#pragma GCC unroll 16
+      for (int m = 0; m < MG; ++m) total[m][r] = vfma(part[m][r], s, total[m][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      y[m * ldy + r] = vsum(total[m][r]) + (bias != nullptr ? bias[n0 + r] : 0.f);
+    }
+  }
+}
+
+// Output rows [n0, n1): groups of R weight rows against every input row (groups of up to 4
+// input rows: the later groups find the weight in cache), then single leftover rows.
+template <int R>
+void fp8_slice(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+               int64_t N, int64_t n0, int64_t n1) {
+  auto all_m = [&](auto rows, int64_t n) {
+    constexpr int RR = decltype(rows)::value;
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) fp8_rows_dot<4, RR>(x + m * w.K, w, n, bias, y + m * N + n, N);
+    const float* xm = x + m * w.K;
+    switch (M - m) {
+      case 1: fp8_rows_dot<1, RR>(xm, w, n, bias, y + m * N + n, N); break;
+      case 2: fp8_rows_dot<2, RR>(xm, w, n, bias, y + m * N + n, N); break;
+      case 3: fp8_rows_dot<3, RR>(xm, w, n, bias, y + m * N + n, N); break;
+      default: break;
+    }
+  };
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) all_m(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) all_m(std::integral_constant<int, 1>{}, n);
+}
+
+void run_fp8_small_m(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+                     int64_t N) {
+  // Registers: M x R partial and total accumulators, so fewer weight rows at a time as M grows.
+  const int R = M == 1 ? 4 : (M == 2 ? 2 : 1);
+  const int64_t groups = (N + R - 1) / R;
+  const int64_t grain = std::max<int64_t>(1, (int64_t{16} << 10) / std::max<int64_t>(1, R * w.K));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    const int64_t n0 = g0 * R, n1 = std::min(g1 * R, N);
+    if (R == 4) {
+      fp8_slice<4>(x, w, bias, y, M, N, n0, n1);
+    } else if (R == 2) {
+      fp8_slice<2>(x, w, bias, y, M, N, n0, n1);
+    } else {
+      fp8_slice<1>(x, w, bias, y, M, N, n0, n1);
+    }
+  });
+}
+
+// ---- int8 / 4-bit weights against int8 activations ----
+
+
+constexpr int64_t kBlock = 32;  // activation block (and the 4-bit group)
+
+// x ~ q * scale per block of 32; sum: the quantized block's sum, scale * sum(q) (4-bit mins:
+// as llama.cpp's Q8_1, so the product is exactly that of the quantized x).
+struct QuantX {
+  std::vector<int8_t> q;     // [M, K]
+  std::vector<float> scale;  // [M, K / 32]
+  std::vector<float> sum;    // [M, K / 32]
+};
+
+// Symmetric, scale = max |x| / 127, rounded to nearest even (as torch.round in the reference).
+QuantX quantize_x(const float* x, int64_t M, int64_t K) {
+  const int64_t B = K / kBlock;
+  QuantX out{std::vector<int8_t>(M * K), std::vector<float>(M * B), std::vector<float>(M * B)};
+  for (int64_t i = 0; i < M * B; ++i) {
+    const float* xb = x + i * kBlock;
+    float amax = 0.f;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const int8_t q = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
+      out.q[i * kBlock + k] = q;
+      sum += q;
+    }
+    out.scale[i] = d;
+    out.sum[i] = d * static_cast<float>(sum);
+  }
+  return out;
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// Integer dot products of one block of 32 weights with 32 activations, as 8 int32 partial sums
+// (lanes 0-3: elements 0-15, lanes 4-7: elements 16-31) converted to floats. u8 x s8 pairs sum
+// to at most 2 * 127 * 127 (int8) or 2 * 15 * 127 (4-bit): no 16-bit saturation.
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+inline __m256 block_dot(__m256i w_u8, __m256i x_s8) {
+  const __m256i p16 = _mm256_maddubs_epi16(w_u8, x_s8);
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(p16, _mm256_set1_epi16(1)));
+}
+// 16 bytes of 4-bit weights -> their 32 values as bytes, in element order: the bytes loaded
+// into both halves, the high half shifted down a nibble, masked (two ALU operations).
+inline __m256i q4_bytes(const uint8_t* p) {
+  const __m256i both = _mm256_broadcastsi128_si256(load16(p));
+  const __m256i shifted = _mm256_srlv_epi32(both, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4));
+  return _mm256_and_si256(shifted, _mm256_set1_epi8(0x0F));
+}
+
+// sum(a[i] * b[i]) for i < n, vectorized (the 4-bit min terms: mins x block sums).
+inline float dot(const float* a, const float* b, int64_t n) {
+  Vec acc = vzero();
+  int64_t i = 0;
+  for (; i + kV <= n; i += kV) acc = vfma(vload(a + i), vload(b + i), acc);
+  float s = vsum(acc);
+  for (; i < n; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// y[m, r] for m < MG, r < R: weight rows n0.. against MG rows of quantized activations. The
+// blocks of a group share the weight's scale, so within a group each block's integer dot
+// product is scaled by its activation scale only, and the group's sum by the weight's once
+// (int8 per channel: once a row). Groups of 16 (Q6_K) put two scales in one block.
+template <Kind KD, int MG, int R>
+inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const float* xs,
+                         int64_t B, const Weights& w, int64_t n0, const float* bias,
+                         float* __restrict y, int64_t ldy) {
+  const int64_t K = w.K, G = w.G, rb = row_bytes<KD>(K);
+  const bool split = KD == Kind::kInt8 && w.g == 16;
+  // Blocks per weight scale (4-bit: 1, known here; no division in the loop).
+  const int64_t per_group = KD == Kind::kQ4 || split ? 1 : w.g / kBlock;
+  constexpr int64_t kPfMask = KD == Kind::kQ4 ? 3 : 1;  // one prefetch per 64-byte line
+  Vec total[MG][R];
+#pragma GCC unroll 16
+  for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) total[m][r] = vzero();
+  }
+  for (int64_t b0 = 0, gi = 0; b0 < B; b0 += per_group, gi += split ? 2 : 1) {
+    Vec acc[MG][R];
+#pragma GCC unroll 16
+    for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) acc[m][r] = vzero();
+    }
+    for (int64_t b = b0; b < b0 + per_group; ++b) {
+      const int64_t byte = row_bytes<KD>(b * kBlock);
+      __m256i xv[MG];
+      Vec xd_v[MG];
+#pragma GCC unroll 16
+      for (int m = 0; m < MG; ++m) {
+        xv[m] = load32(xq + m * K + b * kBlock);
+        xd_v[m] = _mm256_broadcast_ss(xd + m * B + b);
+      }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* wr = w.q + (n0 + r) * rb + byte;
+        if ((b & kPfMask) == 0) prefetch(wr + kPfAhead);
+        if constexpr (KD == Kind::kQ4) {
+          const __m256i wv = q4_bytes(wr);
+#pragma GCC unroll 16
+          for (int m = 0; m < MG; ++m) {
+            acc[m][r] = vfma(block_dot(wv, xv[m]), xd_v[m], acc[m][r]);
+          }
+        } else {
+          const __m256i wv = load32(wr), wabs = _mm256_abs_epi8(wv);
+          // Q6_K: the block's two groups of 16 take their own weight scale here.
+          const Vec ws2 = split ? _mm256_set_m128(_mm_broadcast_ss(w.scale + (n0 + r) * G + gi + 1),
+                                                  _mm_broadcast_ss(w.scale + (n0 + r) * G + gi))
+                                : vset1(1.f);
+#pragma GCC unroll 16
+          for (int m = 0; m < MG; ++m) {
+            const Vec d = block_dot(wabs, _mm256_sign_epi8(xv[m], wv));
+            acc[m][r] = vfma(d, split ? _mm256_mul_ps(xd_v[m], ws2) : xd_v[m], acc[m][r]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec ws = split ? vset1(1.f) : _mm256_broadcast_ss(w.scale + (n0 + r) * G + gi);
+#pragma GCC unroll 16
+      for (int m = 0; m < MG; ++m) total[m][r] = vfma(acc[m][r], ws, total[m][r]);
+    }
+  }
+#pragma GCC unroll 16
+  for (int m = 0; m < MG; ++m) {
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const float mins = KD == Kind::kQ4 ? dot(w.min + (n0 + r) * G, xs + m * B, G) : 0.f;
+      y[m * ldy + r] = vsum(total[m][r]) + mins + (bias != nullptr ? bias[n0 + r] : 0.f);
+    }
+  }
+}
+#else
+template <Kind KD, int MG, int R>
+inline void int_rows_dot(const int8_t* xq, const float* xd, const float* xs, int64_t B,
+                         const Weights& w, int64_t n0, const float* bias, float* y,
+                         int64_t ldy) {
+  const int64_t K = w.K, G = w.G, g = w.g, rb = row_bytes<KD>(K);
+  for (int m = 0; m < MG; ++m) {
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* wr = w.q + (n0 + r) * rb;
+      float total = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t sums[2] = {0, 0};  // elements 0-15, 16-31 of the block
+        for (int64_t k = 0; k < kBlock; ++k) {
+          const int64_t e = b * kBlock + k;
+          const uint8_t byte = wr[b * 16 + (k & 15)];  // 4-bit: element k's byte
+          const int32_t q = KD != Kind::kQ4 ? static_cast<int8_t>(wr[e])
+                                             : (k < 16 ? byte & 0xF : byte >> 4);
+          sums[k / 16] += q * xq[m * K + e];
+        }
+        const float d = xd[m * B + b];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t gi = (b * kBlock + h * 16) / g;
+          total += sums[h] * w.scale[(n0 + r) * G + gi] * d;
+        }
+        if constexpr (KD == Kind::kQ4) total += w.min[(n0 + r) * G + b] * xs[m * B + b];
+      }
+      y[m * ldy + r] = total + (bias != nullptr ? bias[n0 + r] : 0.f);
+    }
+  }
+}
+#endif
+
+// Output rows [n0, n1) against every input row, in groups of up to 4 input rows.
+template <Kind KD, int R>
+void int_slice(const QuantX& xq, const Weights& w, const float* bias, float* y, int64_t M,
+               int64_t N, int64_t n0, int64_t n1) {
+  const int64_t K = w.K, B = K / kBlock;
+  auto all_m = [&](auto rows, int64_t n) {
+    constexpr int RR = decltype(rows)::value;
+    for (int64_t m = 0; m < M; m += 4) {
+      const int8_t* q = xq.q.data() + m * K;
+      const float* d = xq.scale.data() + m * B;
+      const float* s = xq.sum.data() + m * B;
+      float* ym = y + m * N + n;
+      switch (std::min<int64_t>(4, M - m)) {
+        case 1: int_rows_dot<KD, 1, RR>(q, d, s, B, w, n, bias, ym, N); break;
+        case 2: int_rows_dot<KD, 2, RR>(q, d, s, B, w, n, bias, ym, N); break;
+        case 3: int_rows_dot<KD, 3, (RR > 2 ? 2 : RR)>(q, d, s, B, w, n, bias, ym, N);
+          if constexpr (RR > 2) {
+            int_rows_dot<KD, 3, RR - 2>(q, d, s, B, w, n + 2, bias, ym + 2, N);
+          }
+          break;
+        default: int_rows_dot<KD, 4, (RR > 2 ? 2 : RR)>(q, d, s, B, w, n, bias, ym, N);
+          if constexpr (RR > 2) {
+            int_rows_dot<KD, 4, RR - 2>(q, d, s, B, w, n + 2, bias, ym + 2, N);
+          }
+          break;
+      }
+    }
+  };
+  int64_t n = n0;
+  for (; n + R <= n1; n += R) {
+    all_m(std::integral_constant<int, R>{}, n);
+  }
+  for (; n < n1; ++n) all_m(std::integral_constant<int, 1>{}, n);
+}
+
+template <Kind KD>
+void run_int_small_m(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+                     int64_t N) {
+  const QuantX xq = quantize_x(x, M, w.K);
+  constexpr int R = 4;  // weight rows at a time: 4 memory streams (3-4 input rows: 2 + 2)
+  const int64_t groups = (N + R - 1) / R;
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{16} << 10) / std::max<int64_t>(1, R * row_bytes<KD>(w.K)));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    int_slice<KD, R>(xq, w, bias, y, M, N, g0 * R, std::min(g1 * R, N));
+  });
+}
+
+// One weight row, dequantized into out[K].
+template <Kind KD>
+void dequant_row(const Weights& w, int64_t n, float* out) {
+  const int64_t rb = row_bytes<KD>(w.K);
+  for (int64_t gi = 0; gi < w.G; ++gi) {
+    const Vec s = vset1(w.scale[n * w.G + gi]);
+    const Vec mn = vset1(KD == Kind::kQ4 ? w.min[n * w.G + gi] : 0.f);
+    for (int64_t k = gi * w.g; k < (gi + 1) * w.g; k += kStep<KD>) {
+      Vec wv[kNV<KD>];
+      decode<KD>(w.q + n * rb + row_bytes<KD>(k), wv);
+      for (int v = 0; v < kNV<KD>; ++v) vstore(out + k + v * kV, vfma(wv[v], s, mn));
+    }
+  }
+}
+
+template <Kind KD>
+void run_dequant(const at::Tensor& x, const Weights& w, const float* bias, float* y, int64_t M,
+                 int64_t N) {
+  const int64_t K = w.K;
+  // Rows per tile: ~128 KiB of float32 weight, a multiple of 8.
+  const int64_t tile = std::max<int64_t>(8, ((int64_t{32} << 10) / K) / 8 * 8);
+  const int64_t tiles = (N + tile - 1) / tile;
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> buf(tile * K);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, rows = std::min(tile, N - n0);
+      for (int64_t r = 0; r < rows; ++r) dequant_row<KD>(w, n0 + r, buf.data() + r * K);
+      const at::Tensor wt = at::from_blob(buf.data(), {rows, K}, x.options());
+      const at::Tensor part = at::mm(x, wt.t());  // [M, rows], one thread (nested region)
+      const float* pp = part.data_ptr<float>();
+      for (int64_t m = 0; m < M; ++m) {
+        float* yr = y + m * N + n0;
+        const float* src = pp + m * rows;
+        for (int64_t r = 0; r < rows; ++r) yr[r] = src[r] + (bias != nullptr ? bias[n0 + r] : 0.f);
+      }
+    }
+  });
+}
+
+Kind kind_of(const at::Tensor& q) {
+  switch (q.scalar_type()) {
+    case at::kChar: return Kind::kInt8;
+    case at::ScalarType::Float8_e4m3fn: return Kind::kFp8;
+    case at::kByte: return Kind::kQ4;
+    default: TORCH_CHECK(false, "quant_linear: no quantized layout stores weights as ",
+                         q.scalar_type());
+  }
+  return Kind::kInt8;
+}
+
+struct Prepared {
+  at::Tensor x, y, bias, scale, min;
+  Weights w;
+  Kind kind;
+  int64_t M, N;
+};
+
+Prepared prepare(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                 const std::optional<at::Tensor>& mins, const std::optional<at::Tensor>& bias) {
+  Prepared p;
+  TORCH_CHECK(x.device().is_cpu() && qweight.device().is_cpu(), "quant_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() >= 1, "quant_linear: x must be float32");
+  TORCH_CHECK(qweight.dim() == 2 && qweight.is_contiguous(),
+              "quant_linear: qweight must be contiguous [N, bytes]");
+  p.kind = kind_of(qweight);
+  const int64_t K = x.size(-1), N = qweight.size(0);
+  // int8 and 4-bit meet x in blocks of 32; an int8 group is 16 or a multiple of 32 elements.
+  const int step = p.kind == Kind::kFp8 ? 16 : 32;
+  TORCH_CHECK(qweight.size(1) == (p.kind == Kind::kQ4 ? K / 2 : K) && K % step == 0,
+              "quant_linear: x has ", K, " features, qweight is ", qweight.sizes());
+  p.scale = scales.contiguous().to(at::kFloat);
+  const int64_t groups = p.scale.dim() == 2 ? p.scale.size(1) : 0;
+  const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
+  TORCH_CHECK(p.scale.size(0) == N && g > 0 &&
+                  (g % step == 0 || (p.kind == Kind::kInt8 && g == 16)),
+              "quant_linear: scales ", scales.sizes(), " do not split ", K, " features into ",
+              "groups of a multiple of ", step);
+  const float* min_ptr = nullptr;
+  if (p.kind == Kind::kQ4) {
+    TORCH_CHECK(mins.has_value() && mins->defined() && mins->sizes() == scales.sizes(),
+                "quant_linear: 4-bit weights need mins shaped like their scales");
+    p.min = mins->contiguous().to(at::kFloat);
+    min_ptr = p.min.data_ptr<float>();
+  }
+  if (bias.has_value() && bias->defined()) {
+    p.bias = bias->contiguous();
+    TORCH_CHECK(p.bias.scalar_type() == at::kFloat && p.bias.numel() == N,
+                "quant_linear: bias must be float32 [N]");
+  }
+  p.x = x.contiguous();
+  std::vector<int64_t> out_sizes(x.sizes().begin(), x.sizes().end());
+  out_sizes.back() = N;
+  p.y = at::empty(out_sizes, x.options());
+  p.M = K == 0 ? 0 : p.x.numel() / K;
+  p.N = N;
+  p.w = Weights{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), p.scale.data_ptr<float>(),
+                min_ptr, K, p.scale.size(1), K / p.scale.size(1)};
+  return p;
+}
+
+at::Tensor quant_linear_small_m(const at::Tensor& x, const at::Tensor& qweight,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                const std::optional<at::Tensor>& bias) {
+  Prepared p = prepare(x, qweight, scales, mins, bias);
+  if (p.M == 0 || p.N == 0) return p.y;
+  const float* xp = p.x.data_ptr<float>();
+  const float* bp = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  float* yp = p.y.data_ptr<float>();
+  switch (p.kind) {
+    case Kind::kInt8: run_int_small_m<Kind::kInt8>(xp, p.w, bp, yp, p.M, p.N); break;
+    case Kind::kFp8: run_fp8_small_m(xp, p.w, bp, yp, p.M, p.N); break;
+    case Kind::kQ4: run_int_small_m<Kind::kQ4>(xp, p.w, bp, yp, p.M, p.N); break;
+  }
+  return p.y;
+}
+
+at::Tensor quant_linear_dequant(const at::Tensor& x, const at::Tensor& qweight,
+                                const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                const std::optional<at::Tensor>& bias) {
+  Prepared p = prepare(x, qweight, scales, mins, bias);
+  if (p.M == 0 || p.N == 0) return p.y;
+  const at::Tensor x2 = p.x.view({p.M, p.w.K});
+  const float* bp = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  float* yp = p.y.data_ptr<float>();
+  switch (p.kind) {
+    case Kind::kInt8: run_dequant<Kind::kInt8>(x2, p.w, bp, yp, p.M, p.N); break;
+    case Kind::kFp8: run_dequant<Kind::kFp8>(x2, p.w, bp, yp, p.M, p.N); break;
+    case Kind::kQ4: run_dequant<Kind::kQ4>(x2, p.w, bp, yp, p.M, p.N); break;
+  }
+  return p.y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.def("quant_linear_small_m(Tensor x, Tensor qweight, Tensor scales, Tensor? mins=None, "
+        "Tensor? bias=None) -> Tensor");
+  m.def("quant_linear_dequant(Tensor x, Tensor qweight, Tensor scales, Tensor? mins=None, "
+        "Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
+  m.impl("quant_linear_small_m", &quant_linear_small_m);
+  m.impl("quant_linear_dequant", &quant_linear_dequant);
+}

@@ -1,0 +1,58 @@
+"""Linear layers on quantized weights (int8, fp8 e4m3, 4-bit) on CPU: native kernels.
+
+- `quant_linear_small_m`: decode batches (M <= 4), bound by reading the weight: the quantized
+  bytes stream once for all rows and are dequantized in registers (csrc/quant_linear.cpp).
+- `quant_linear_dequant`: any M; each thread dequantizes a cache-sized tile of weight rows and
+  multiplies it with a GEMM (the path for prefill chunks when no int8 GEMM takes the weight).
+
+The weight layouts are workers/quantization/weight.py's (the dtype tells which); `reference` is
+its dequantization followed by F.linear. Call `available` first; it never raises.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu.native import NativeOp
+
+_OP = NativeOp("quant_linear", "quant_linear.cpp", "quant_linear_small_m")
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """True when the kernels are built (building them on first call) and take these float32
+    inputs (the weights' own layouts are checked by the kernels)."""
+    return _OP.available(*tensors)
+
+
+def build_error() -> str | None:
+    return _OP.error
+
+
+def quant_linear_small_m(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         mins: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N], reading qweight once for all rows (meant for M <= 4)."""
+    return _OP(x, qweight, scales, mins, bias)
+
+
+def quant_linear_dequant(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                         mins: torch.Tensor | None = None,
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product for any M, through dequantized tiles and a GEMM."""
+    return _OP.sibling("quant_linear_dequant")(x, qweight, scales, mins, bias)
+
+
+def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+              ) -> torch.Tensor:
+    """What both kernels compute: `weight` is the dequantized [N, K] float weight."""
+    return F.linear(x, weight.to(x.dtype), bias)
+
+
+def quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the small-M kernel sees it for int8 and 4-bit weights: int8 per block of 32
+    (scale max |x| / 127, round half to even), back in float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+    d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    return (torch.round(blocks * inv) * d).reshape(x.shape)

@@ -1,0 +1,90 @@
+"""The quantized linear kernels (int8, fp8, 4-bit) against their dequantized references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import quant_linear as ql
+from workers.quantization.weight import QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    not ql.available(torch.empty(1)), reason=f"not built: {ql.build_error()}")
+
+
+def weight(gen: torch.Generator, kind: str, n: int, k: int, group: int) -> QuantizedWeight:
+    """Random quantized weights over their whole code range, scales like a trained layer's."""
+    groups = k // group
+    scales = torch.rand(n, groups, generator=gen) * 0.02 + 1e-3
+    if kind == "int8":
+        q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
+        return QuantizedWeight(q, scales)
+    if kind == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=gen, dtype=torch.uint8)
+        codes[(codes & 0x7F) == 0x7F] = 0  # no NaNs
+        return QuantizedWeight(codes.view(torch.float8_e4m3fn), scales / 64)
+    q = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    return QuantizedWeight(q, scales, torch.randn(n, groups, generator=gen) * 0.01)
+
+
+CASES = [("int8", 576, 576), ("int8", 1536, 32), ("int8", 256, 16), ("int8", 192, 64),
+         ("fp8", 512, 128), ("fp8", 320, 16), ("fp8", 64, 64), ("q4", 576, 32), ("q4", 96, 32)]
+
+
+@pytest.mark.parametrize("kind,k,group", CASES)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6])
+@pytest.mark.parametrize("n", [1, 7, 133])
+def test_small_m_matches_reference(kind: str, k: int, group: int, m: int, n: int) -> None:
+    """Exact up to float32 summation order: int8 and 4-bit weights meet the activations as
+    `quantize_activations` rounds them (int8 per block of 32); fp8 ones meet them as they are."""
+    gen = torch.Generator().manual_seed(m * 1000 + n)
+    w = weight(gen, kind, n, k, group)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    seen = x if kind == "fp8" else ql.quantize_activations(x)
+    ref = ql.reference(seen, w.dequantize(), bias)
+    out = ql.quant_linear_small_m(x, w.qweight, w.scales, w.mins, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind,k,group", CASES)
+@pytest.mark.parametrize("m", [1, 5, 70])
+def test_dequantized_tiles_match_reference(kind: str, k: int, group: int, m: int) -> None:
+    """The large-M path takes x as it is: the float32 product with the dequantized weight."""
+    gen = torch.Generator().manual_seed(m)
+    w = weight(gen, kind, 300, k, group)
+    x = torch.randn(2, m, k, generator=gen)  # leading dims kept
+    ref = ql.reference(x, w.dequantize())
+    out = ql.quant_linear_dequant(x, w.qweight, w.scales, w.mins)
+    assert out.shape == (2, m, 300)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_every_fp8_code_decodes_exactly() -> None:
+    """All 254 finite e4m3fn values, subnormals and -0 included, against torch's conversion."""
+    codes = torch.arange(256, dtype=torch.uint8)
+    codes = torch.cat([codes[(codes & 0x7F) != 0x7F], torch.zeros(2, dtype=torch.uint8)])
+    q = codes.view(torch.float8_e4m3fn).view(1, -1).repeat(256, 1)
+    w = QuantizedWeight(q.contiguous(), torch.ones(256, 1))
+    out = ql.quant_linear_small_m(torch.eye(256), w.qweight, w.scales)  # row i: column i
+    assert torch.equal(out.diagonal(), q[0].float())
+
+
+def test_activation_rounding_is_small() -> None:
+    """What the int8 activations cost: at most half a step (max |block| / 254) per element."""
+    x = torch.randn(8, 256) * torch.logspace(-3, 2, 256)  # outlier columns, as LLMs have
+    err = (ql.quantize_activations(x) - x).abs().view(8, -1, 32)
+    bound = x.abs().view(8, -1, 32).amax(-1, keepdim=True) / 254
+    assert (err <= bound * (1 + 1e-6)).all()
+
+
+@pytest.mark.parametrize("qweight,scales,message", [
+    (torch.zeros(4, 60, dtype=torch.int8), torch.ones(4, 1), "features"),  # K not a block
+    (torch.zeros(4, 64, dtype=torch.int8), torch.ones(4, 8), "groups"),  # groups of 8
+    (torch.zeros(4, 32, dtype=torch.uint8), torch.ones(4, 2), "mins"),  # 4-bit without mins
+    (torch.zeros(4, 64, dtype=torch.int16), torch.ones(4, 1), "no quantized layout"),
+])
+def test_refuses_layouts_it_cannot_read(qweight, scales, message) -> None:
+    k = qweight.shape[1] * (2 if qweight.dtype == torch.uint8 else 1)
+    with pytest.raises(RuntimeError, match=message):
+        ql.quant_linear_small_m(torch.zeros(1, k), qweight, scales)

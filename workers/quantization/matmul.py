@@ -1,0 +1,76 @@
+"""How a linear layer multiplies by a QuantizedWeight, chosen once when the weight is final.
+
+- Up to SMALL_M rows (decode): the native small-M kernel (kernels/cpu/quant_linear.py), reading
+  the quantized bytes once: a quarter (int8) or an eighth (4-bit) of float32's. int8 and 4-bit
+  weights meet int8 activations there, per block of 32, which leaves the default model's greedy
+  text as weight-only int8 has it.
+- More rows: dequantized tiles and a float32 GEMM, natively, activations as they are.
+- More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
+  u8 x s8 GEMM (`quantized::linear_dynamic`), activations quantized per token: int8 arithmetic,
+  ~1.5x oneDNN's float32 at 64 rows here, but only 7 bits on AVX2 (reduce_range), which moves
+  the default model's greedy text within a few tokens; so it is opt-in. FBGEMM keeps its own
+  packed copy of the int8 weight.
+- Without the native kernels (no compiler, another device): the dequantized weight and F.linear.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from engine import envs
+from kernels.cpu import quant_linear as native
+from workers.quantization.weight import QuantizedWeight
+
+SMALL_M = 4  # workers/layers/linear.py's: the decode rows the streaming kernels take
+
+
+def _fbgemm_pack(weight: QuantizedWeight):
+    """FBGEMM's packed int8 weight for a per-channel int8 weight, or None."""
+    if (weight.kind != "int8" or weight.scales.shape[1] != 1
+            or not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines)):
+        return None
+    rows = weight.shape[0]
+    with warnings.catch_warnings():  # quantized tensors are deprecated, FBGEMM's ops are not
+        warnings.simplefilter("ignore", UserWarning)
+        q = torch._make_per_channel_quantized_tensor(
+            weight.qweight, weight.scales[:, 0].double(), torch.zeros(rows, dtype=torch.long), 0)
+    return torch.ops.quantized.linear_prepack(q, None)
+
+
+class QuantizedMatmul:
+    def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
+        self.weight = weight.contiguous()
+        self.bias = bias
+        self.native = weight.qweight.device.type == "cpu" and native.available(
+            torch.empty(1, weight.shape[1]))
+        if self.native:  # shapes the kernels refuse (an odd K, groups they cannot take)
+            try:
+                native.quant_linear_small_m(torch.zeros(1, weight.shape[1]), self.weight.qweight,
+                                            self.weight.scales, self.weight.mins)
+            except RuntimeError:
+                self.native = False
+        self.packed = (_fbgemm_pack(self.weight)
+                       if self.native and envs.int8_dynamic_activations() else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if not self.native or x.dtype != torch.float32:
+            return F.linear(x, w.dequantize(x.dtype), self.bias)
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if rows <= SMALL_M:
+            return native.quant_linear_small_m(x, w.qweight, w.scales, w.mins, self.bias)
+        if self.packed is not None:
+            # FBGEMM quantizes its input per tensor; rows scaled to one max first make that per
+            # token, and are scaled back after.
+            scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
+            y = torch.ops.quantized.linear_dynamic(x / scale, self.packed, True).mul_(scale)
+            return y if self.bias is None else y.add_(self.bias)
+        return native.quant_linear_dequant(x, w.qweight, w.scales, w.mins, self.bias)
+
+    def nbytes(self) -> int:
+        """The weight's bytes (FBGEMM's packed copy adds the int8 weight's size again)."""
+        extra = self.weight.qweight.numel() if self.packed is not None else 0
+        return self.weight.nbytes() + extra

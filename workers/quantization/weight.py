@@ -1,0 +1,124 @@
+"""A quantized [N, K] linear weight, in one of three self-describing layouts.
+
+- int8 (`qweight` int8 [N, K]): symmetric, w = q * scale. Per output channel when quantized at
+  load (one group of K), or per group of 32 / 16 (GGUF Q8_0 / Q6_K).
+- fp8 (`qweight` float8_e4m3fn [N, K]): w = fp8(q) * scale, DeepSeek's 128 x 128 block scales
+  kept as groups of 128 along K, repeated per row (1/32 of the weight's bytes).
+- q4 (`qweight` uint8 [N, K / 2]): 4-bit affine, w = q * scale + min, groups of 32 stored in 16
+  bytes each: byte j holds element j in its low nibble and element j + 16 in its high one (the
+  order of llama.cpp's Q4_0 / Q4_1 blocks). GGUF Q4_0, Q4_1 and Q4_K all fit it.
+
+`scales` (and `mins` for q4) are float32 [N, K / group]; the group size is K over their width.
+`dequantize` is the reference every kernel is checked against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+Q4_GROUP = 32  # elements per 4-bit group (the nibble order above is per 32 elements)
+KINDS = ("int8", "fp8", "q4")
+
+
+@dataclass
+class QuantizedWeight:
+    qweight: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        kind = self.kind  # validates the dtype
+        rows, cols = self.shape
+        if self.scales.dim() != 2 or self.scales.shape[0] != rows or self.scales.shape[1] == 0:
+            raise ValueError(f"{kind} scales must be [{rows}, groups], not "
+                             f"{tuple(self.scales.shape)}")
+        if cols % self.scales.shape[1]:
+            raise ValueError(f"{kind}: {cols} columns do not split into "
+                             f"{self.scales.shape[1]} groups")
+        if (kind == "q4") != (self.mins is not None):
+            raise ValueError("4-bit weights need mins; int8 and fp8 ones have none")
+        if kind == "q4" and self.group_size != Q4_GROUP:
+            raise ValueError(f"4-bit weights come in groups of {Q4_GROUP}, not {self.group_size}")
+
+    @property
+    def kind(self) -> str:
+        dtype = self.qweight.dtype
+        if dtype == torch.int8:
+            return "int8"
+        if dtype == torch.float8_e4m3fn:
+            return "fp8"
+        if dtype == torch.uint8:
+            return "q4"
+        raise ValueError(f"no quantized layout stores weights as {dtype}")
+
+    @property
+    def shape(self) -> torch.Size:
+        rows, cols = self.qweight.shape
+        return torch.Size((rows, cols * 2 if self.kind == "q4" else cols))
+
+    @property
+    def group_size(self) -> int:
+        return self.shape[1] // self.scales.shape[1]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size()
+                   for t in (self.qweight, self.scales, self.mins) if t is not None)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The float [N, K] weight these bytes stand for."""
+        if self.kind == "q4":
+            q = self.qweight.view(self.shape[0], -1, Q4_GROUP // 2)
+            q = torch.cat([q & 0xF, q >> 4], dim=-1).float()  # per group: elements j, j + 16
+        else:
+            q = self.qweight.float().view(self.shape[0], self.scales.shape[1], -1)
+        w = q * self.scales.unsqueeze(-1)
+        if self.mins is not None:
+            w = w + self.mins.unsqueeze(-1)
+        return w.reshape(self.shape).to(dtype)
+
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
+        """Rows (dim 0) anywhere; columns (dim 1) only along whole groups (a parallel shard)."""
+        if dim % 2 == 0:
+            return QuantizedWeight(
+                self.qweight.narrow(0, start, length), self.scales.narrow(0, start, length),
+                None if self.mins is None else self.mins.narrow(0, start, length))
+        group = self.group_size
+        if start % group or length % group:
+            raise ValueError(f"a {self.kind} weight in groups of {group} cannot be split at "
+                             f"columns [{start}, {start + length})")
+        per_byte = 2 if self.kind == "q4" else 1
+        return QuantizedWeight(
+            self.qweight.narrow(1, start // per_byte, length // per_byte),
+            self.scales.narrow(1, start // group, length // group),
+            None if self.mins is None else self.mins.narrow(1, start // group, length // group))
+
+    def take_rows(self, ids: torch.Tensor) -> QuantizedWeight:
+        """The rows `ids` (1-D), e.g. an embedding lookup's."""
+        return QuantizedWeight(self.qweight[ids], self.scales[ids],
+                               None if self.mins is None else self.mins[ids])
+
+    def contiguous(self) -> QuantizedWeight:
+        return QuantizedWeight(self.qweight.contiguous(), self.scales.contiguous().float(),
+                               None if self.mins is None else self.mins.contiguous().float())
+
+
+def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
+    """Parts stacked along the output rows (q|k|v, gate|up): they must share layout and groups."""
+    first = parts[0]
+    for p in parts[1:]:
+        if p.kind != first.kind or p.group_size != first.group_size:
+            raise ValueError(f"cannot fuse a {p.kind} weight in groups of {p.group_size} with "
+                             f"a {first.kind} one in groups of {first.group_size}")
+    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    return QuantizedWeight(torch.cat([p.qweight for p in parts]),
+                           torch.cat([p.scales for p in parts]), mins)
+
+
+def quantize_int8(w: torch.Tensor) -> QuantizedWeight:
+    """Symmetric per-output-channel int8 of a float [N, K] weight: scale = max |w| / 127."""
+    w = w.float()
+    scales = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / 127.0
+    q = torch.round(w / scales).clamp_(-127, 127).to(torch.int8)
+    return QuantizedWeight(q.contiguous(), scales.contiguous())
