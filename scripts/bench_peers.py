@@ -211,6 +211,32 @@ def run_workload(generate: GenerateFn, args: argparse.Namespace, prompts: list[l
 # ----------------------------------------------------------------------------- systems
 
 
+def process_memory_mb(pid: int | str = "self") -> Result:
+    """A process's resident memory now and at its peak (MiB), from /proc."""
+    fields = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) / 1024
+    return {"rss_mb": fields.get("VmRSS"), "peak_mb": fields.get("VmHWM")}
+
+
+def worker_memory_mb() -> Result:
+    """The engine's rank-0 worker process (a child named worker0): its weights, KV cache,
+    buffers and interpreter."""
+    for proc in Path("/proc").iterdir():
+        try:
+            if not proc.name.isdigit() or int((proc / "stat").read_text().split()[3]) != \
+                    os.getpid():
+                continue
+            if b"worker0" in (proc / "cmdline").read_bytes().split(b"\0"):
+                found = process_memory_mb(proc.name)
+                return {"worker_rss_mb": found["rss_mb"], "worker_peak_mb": found["peak_mb"]}
+        except (OSError, ValueError, IndexError):
+            continue
+    return {}
+
+
 def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
     from engine import LLM, SamplingParams
     from engine.config import EngineConfig
@@ -231,6 +257,7 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
 
     try:
         result = run_workload(generate, args, prompts)
+        result.update(worker_memory_mb())
     finally:
         llm.shutdown()
     return {"load_s": load, "dtype": args.dtype, "quantization": args.quantization,
@@ -358,6 +385,8 @@ def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
         return counts
 
     result = run_workload(generate, args, prompts, batch=False)
+    memory = process_memory_mb()  # in process: the Python interpreter's ~100 MiB included
+    result.update({"process_rss_mb": memory["rss_mb"], "process_peak_mb": memory["peak_mb"]})
     return {"load_s": load, "dtype": f"GGUF {Path(path).name}", "gguf": path,
             "note": "batch-1 only (one sequence at a time)", **result}
 

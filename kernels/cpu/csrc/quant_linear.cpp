@@ -277,23 +277,56 @@ struct QuantX {
   std::vector<float> sum;    // [M, K / 32]
 };
 
-// Symmetric, scale = max |x| / 127, rounded to nearest even (as torch.round in the reference).
+// One block of 32: q = round(x / scale), scale = max |x| / 127, rounded to nearest even (as
+// torch.round in the reference); returns sum(q).
+#if defined(__AVX2__) && defined(__FMA__)
+inline int32_t quantize_block(const float* x, int8_t* q, float* scale) {
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  const float d = _mm_cvtss_f32(m) / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  __m256i qi[4];
+  for (int i = 0; i < 4; ++i) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(inv)));
+  // int32 -> int8 in element order (the packs interleave 128-bit lanes; the permute undoes it)
+  const __m256i p16a = _mm256_packs_epi32(qi[0], qi[1]), p16b = _mm256_packs_epi32(qi[2], qi[3]);
+  const __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
+                      _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+  const __m256i sum = _mm256_add_epi32(_mm256_add_epi32(qi[0], qi[1]),
+                                       _mm256_add_epi32(qi[2], qi[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  *scale = d;
+  return _mm_cvtsi128_si32(s4);
+}
+#else
+inline int32_t quantize_block(const float* x, int8_t* q, float* scale) {
+  float amax = 0.f;
+  for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(x[k]));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t sum = 0;
+  for (int64_t k = 0; k < kBlock; ++k) {
+    q[k] = static_cast<int8_t>(std::nearbyint(x[k] * inv));
+    sum += q[k];
+  }
+  *scale = d;
+  return sum;
+}
+#endif
+
 QuantX quantize_x(const float* x, int64_t M, int64_t K) {
   const int64_t B = K / kBlock;
   QuantX out{std::vector<int8_t>(M * K), std::vector<float>(M * B), std::vector<float>(M * B)};
   for (int64_t i = 0; i < M * B; ++i) {
-    const float* xb = x + i * kBlock;
-    float amax = 0.f;
-    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
-    for (int64_t k = 0; k < kBlock; ++k) {
-      const int8_t q = static_cast<int8_t>(std::nearbyint(xb[k] * inv));
-      out.q[i * kBlock + k] = q;
-      sum += q;
-    }
-    out.scale[i] = d;
-    out.sum[i] = d * static_cast<float>(sum);
+    const int32_t sum = quantize_block(x + i * kBlock, out.q.data() + i * kBlock, &out.scale[i]);
+    out.sum[i] = out.scale[i] * static_cast<float>(sum);
   }
   return out;
 }
@@ -434,52 +467,52 @@ inline void int_rows_dot(const int8_t* xq, const float* xd, const float* xs, int
 }
 #endif
 
-// Output rows [n0, n1) against every input row, in groups of up to 4 input rows.
-template <Kind KD, int R>
+// Output rows [n0, n1) against every input row: R weight rows at a time against MG input rows
+// at a time (MG x R accumulators fit the registers), then single leftover rows.
+template <Kind KD, int MG, int R>
 void int_slice(const QuantX& xq, const Weights& w, const float* bias, float* y, int64_t M,
                int64_t N, int64_t n0, int64_t n1) {
   const int64_t K = w.K, B = K / kBlock;
-  auto all_m = [&](auto rows, int64_t n) {
-    constexpr int RR = decltype(rows)::value;
-    for (int64_t m = 0; m < M; m += 4) {
-      const int8_t* q = xq.q.data() + m * K;
-      const float* d = xq.scale.data() + m * B;
-      const float* s = xq.sum.data() + m * B;
-      float* ym = y + m * N + n;
-      switch (std::min<int64_t>(4, M - m)) {
-        case 1: int_rows_dot<KD, 1, RR>(q, d, s, B, w, n, bias, ym, N); break;
-        case 2: int_rows_dot<KD, 2, RR>(q, d, s, B, w, n, bias, ym, N); break;
-        case 3: int_rows_dot<KD, 3, (RR > 2 ? 2 : RR)>(q, d, s, B, w, n, bias, ym, N);
-          if constexpr (RR > 2) {
-            int_rows_dot<KD, 3, RR - 2>(q, d, s, B, w, n + 2, bias, ym + 2, N);
-          }
-          break;
-        default: int_rows_dot<KD, 4, (RR > 2 ? 2 : RR)>(q, d, s, B, w, n, bias, ym, N);
-          if constexpr (RR > 2) {
-            int_rows_dot<KD, 4, RR - 2>(q, d, s, B, w, n + 2, bias, ym + 2, N);
-          }
-          break;
-      }
-    }
+  auto rows = [&](auto rr, int64_t n) {
+    constexpr int RR = decltype(rr)::value;
+    int64_t m = 0;
+    auto call = [&](auto mg) {
+      constexpr int G = decltype(mg)::value;
+      int_rows_dot<KD, G, RR>(xq.q.data() + m * K, xq.scale.data() + m * B,
+                              xq.sum.data() + m * B, B, w, n, bias, y + m * N + n, N);
+    };
+    for (; m + MG <= M; m += MG) call(std::integral_constant<int, MG>{});
+    for (; m < M; ++m) call(std::integral_constant<int, 1>{});
   };
   int64_t n = n0;
-  for (; n + R <= n1; n += R) {
-    all_m(std::integral_constant<int, R>{}, n);
-  }
-  for (; n < n1; ++n) all_m(std::integral_constant<int, 1>{}, n);
+  for (; n + R <= n1; n += R) rows(std::integral_constant<int, R>{}, n);
+  for (; n < n1; ++n) rows(std::integral_constant<int, 1>{}, n);
+}
+
+template <Kind KD, int MG, int R>
+void run_int(const QuantX& xq, const Weights& w, const float* bias, float* y, int64_t M,
+             int64_t N) {
+  const int64_t groups = (N + R - 1) / R;
+  const int64_t grain =
+      std::max<int64_t>(1, (int64_t{16} << 10) / std::max<int64_t>(1, R * row_bytes<KD>(w.K)));
+  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
+    int_slice<KD, MG, R>(xq, w, bias, y, M, N, g0 * R, std::min(g1 * R, N));
+  });
 }
 
 template <Kind KD>
 void run_int_small_m(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
                      int64_t N) {
   const QuantX xq = quantize_x(x, M, w.K);
-  constexpr int R = 4;  // weight rows at a time: 4 memory streams (3-4 input rows: 2 + 2)
-  const int64_t groups = (N + R - 1) / R;
-  const int64_t grain =
-      std::max<int64_t>(1, (int64_t{16} << 10) / std::max<int64_t>(1, R * row_bytes<KD>(w.K)));
-  at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    int_slice<KD, R>(xq, w, bias, y, M, N, g0 * R, std::min(g1 * R, N));
-  });
+  // 4 rows of weight at a time (4 memory streams; 8 measured no faster), against 2 input rows
+  // at a time when their accumulators fit 16 registers (int8 per channel keeps two each: a
+  // group's and the total), else 1.
+  const bool one_acc = KD == Kind::kQ4 || w.g <= kBlock;
+  if (M == 1 || one_acc) {
+    run_int<KD, 2, 4>(xq, w, bias, y, M, N);
+  } else {
+    run_int<KD, 2, 2>(xq, w, bias, y, M, N);
+  }
 }
 
 // One weight row, dequantized into out[K].

@@ -25,6 +25,16 @@ def test_prepare_once_then_reuse(tiny_cache, capfd):
     assert sorted(p.name for p in tiny_cache.iterdir()) == [DEFAULT_MODEL_NAME, "downloads"]
 
 
+def test_the_gguf_stays_beside_the_converted_weights(tiny_cache):
+    """`--model <that file>` serves the model as it ships; a directory prepared before the file
+    was kept gets it back on request."""
+    gguf = model_store.prepared_gguf("default")
+    assert gguf.parent == tiny_cache / DEFAULT_MODEL_NAME and gguf.suffix == ".gguf"
+    assert model_store.gguf_source(model_store.ensure_model(str(gguf))) == gguf.resolve()
+    gguf.unlink()  # as an older DeepInfer left it
+    assert model_store.prepared_gguf("default").is_file()
+
+
 def test_a_failed_conversion_leaves_nothing(tiny_cache, monkeypatch):
     from engine.model_store import convert
 
