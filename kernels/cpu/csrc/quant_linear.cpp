@@ -534,8 +534,10 @@ template <Kind KD>
 void run_dequant(const at::Tensor& x, const Weights& w, const float* bias, float* y, int64_t M,
                  int64_t N) {
   const int64_t K = w.K;
-  // Rows per tile: ~128 KiB of float32 weight, a multiple of 8.
-  const int64_t tile = std::max<int64_t>(8, ((int64_t{32} << 10) / K) / 8 * 8);
+  // Rows per tile: ~384 KiB of float32 weight (this CPU's L2 is 512 KiB), a multiple of 8. At
+  // 64 rows the default model's linears took 194 ms with 128 KiB tiles, 168 ms with these,
+  // against 162 ms for float32 through oneDNN (interleaved in one process).
+  const int64_t tile = std::max<int64_t>(8, ((int64_t{96} << 10) / K) / 8 * 8);
   const int64_t tiles = (N + tile - 1) / tile;
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> buf(tile * K);
