@@ -88,8 +88,11 @@ def checkpoint_tensors(model_dir: str, cfg: ModelConfig
                     continue
                 scale = scale_files.get(name + FP8_SCALE)
                 if scale is not None:
-                    with safe_open(str(scale), framework="pt") as s:
-                        scale_inv = s.get_tensor(name + FP8_SCALE)
+                    if scale == path:  # as DeepSeek's shards have them: beside the weight
+                        scale_inv = f.get_tensor(name + FP8_SCALE)
+                    else:
+                        with safe_open(str(scale), framework="pt") as s:
+                            scale_inv = s.get_tensor(name + FP8_SCALE)
                     yield name, from_checkpoint(f.get_tensor(name), scale_inv, cfg.fp8_block)
                     continue
                 # Read when a layer has taken its part (all of it, without parallelism).

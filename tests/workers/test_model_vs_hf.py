@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids, unpack_ids
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.conftest import save_tiny_model
+from tests.workers.engine_steps import run_engine
 
 CONFIGS = {
     "llama-gqa-tied": ("llama", {}),
@@ -72,41 +68,17 @@ def test_prefill_logits_match_hf_under_chunking(tiny, kernels, monkeypatch):
     """`torch`: every native CPU op reports itself unavailable, so the torch fallbacks (the
     path other devices and dtypes take) are held to HF too."""
     from kernels.cpu.native import NativeOp
-    from workers.model_runner import ModelRunner
 
     if kernels == "torch":
         monkeypatch.setattr(NativeOp, "available", lambda self, *tensors: False)
 
-    block_size = 4
-    cfg = EngineConfig(model=str(tiny), num_kv_blocks=64, block_size=block_size)
-    runner = ModelRunner(cfg)
-    info = cfg.model_config()
-    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=block_size,
-                                      max_num_batched_tokens=24, prefill_chunk_size=10,
-                                      kv_groups=info.kv_cache_spec().groups()))
     rng = np.random.default_rng(0)
     prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist()
                for i, n in enumerate([5, 17, 33, 9, 1])}
-    for rid, ids in prompts.items():
-        sched.add(TokenizedRequest(rid, pack_ids(ids), SamplingParams(max_tokens=1)))
-    got = defaultdict(list)
-    steps = 0
-    while sched.has_work():
-        step = sched.schedule()
-        steps += 1
-        logits = runner.all_logits(step.plan)
-        row, sampled = 0, []
-        for _, seq in step.scheduled:
-            n = len(unpack_ids(seq.token_ids))
-            got[seq.request_id].append(logits[row: row + n])
-            row += n
-            if seq.sample:
-                sampled.append(int(logits[row - 1].argmax()))
-        sched.update(step, StepResult(step.plan.step_id, pack_ids(sampled)))
+    _, got, _, steps = run_engine(tiny, prompts)
     assert steps > 3, "the prompts should have been split into several chunks"
-    assert sched.kv.num_reusable() == sched.kv.num_total()
     for rid, ids in prompts.items():
-        ours = torch.cat(got[rid])
+        ours = got[rid]
         ref = hf_logits(tiny, ids)
         assert ours.shape == ref.shape
         diff = (ours - ref).abs().max().item()

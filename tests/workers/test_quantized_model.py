@@ -19,45 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids, unpack_ids
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from kernels.cpu import quant_linear
 from tests.conftest import save_tiny_model
+from tests.workers.engine_steps import run_engine
 from tests.workers.quantized_checkpoints import write_fp8_checkpoint, write_int8_reference
 
 PREFILL_TOL = 1e-3
 DECODE_TOL = 0.15
-
-
-def run_engine(model_dir: Path, quantization: str | None, prompts: dict[str, list[int]],
-               max_tokens: int = 4):
-    """Every logits row of each request (prompt positions, then decode steps) and its tokens."""
-    from workers.model_runner import ModelRunner
-
-    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4,
-                       quantization=quantization)
-    runner = ModelRunner(cfg)
-    sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=24,
-                                      prefill_chunk_size=10,
-                                      kv_groups=cfg.model_config().kv_cache_spec().groups()))
-    for rid, ids in prompts.items():
-        sched.add(TokenizedRequest(rid, pack_ids(ids), SamplingParams(max_tokens=max_tokens)))
-    logits, tokens = defaultdict(list), defaultdict(list)
-    while sched.has_work():
-        step = sched.schedule()
-        out = runner.all_logits(step.plan)
-        row, sampled = 0, []
-        for _, seq in step.scheduled:
-            n = len(unpack_ids(seq.token_ids))
-            logits[seq.request_id].append(out[row: row + n])
-            row += n
-            if seq.sample:
-                sampled.append(int(out[row - 1].argmax()))
-                tokens[seq.request_id].append(sampled[-1])
-        sched.update(step, StepResult(step.plan.step_id, pack_ids(sampled)))
-    assert sched.kv.num_reusable() == sched.kv.num_total()
-    return runner, {rid: torch.cat(rows) for rid, rows in logits.items()}, tokens
 
 
 def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -70,7 +38,8 @@ def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 def check_against(engine_dir: Path, quantization: str | None, reference: Path,
                   prompts: dict[str, list[int]], decode_tol: float) -> dict:
-    runner, logits, tokens = run_engine(engine_dir, quantization, prompts)
+    runner, logits, tokens, _ = run_engine(engine_dir, prompts, max_tokens=4,
+                                           quantization=quantization)
     for rid, ids in prompts.items():
         ref = hf_logits(reference, ids + tokens[rid][:-1])  # teacher-forced on our tokens
         ours = logits[rid]

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from workers.quantization.weight import QuantizedWeight
+
 
 class LazyTensor:
     def __init__(self, source, shape: tuple[int, ...], index: tuple[slice, ...] | None = None
@@ -34,10 +36,9 @@ class LazyTensor:
         return self._source[self._index]
 
 
-def materialize(t) -> torch.Tensor:
+def materialize(t: torch.Tensor | LazyTensor | QuantizedWeight) -> torch.Tensor:
     """The float tensor a checkpoint tensor stands for: read if lazy, dequantized if quantized
     (a layer that keeps quantized weights takes them before this)."""
     if isinstance(t, LazyTensor):
         return t.read()
-    dequantize = getattr(t, "dequantize", None)  # a QuantizedWeight (workers/quantization)
-    return dequantize() if dequantize is not None and not isinstance(t, torch.Tensor) else t
+    return t.dequantize() if isinstance(t, QuantizedWeight) else t

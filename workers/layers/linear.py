@@ -92,7 +92,6 @@ class Linear(nn.Module):
             if not self.small_m:
                 self.weight.data = torch.empty(0)  # the packed copy is the only one needed
         self._w = self.weight.data
-        self._b = None if self.bias is None else self.bias.data
 
     def _finalize_quantized(self, quantization: str | None) -> bool:
         """Settle the weight's final form; True when it ends quantized."""
