@@ -27,8 +27,10 @@ def weight(gen: torch.Generator, kind: str, n: int, k: int, group: int) -> Quant
     return QuantizedWeight(q, scales, torch.randn(n, groups, generator=gen) * 0.01)
 
 
+# More than 64 groups a row (2304 / 32, 2304 / 16): the kernels read scales 64 groups at a time.
 CASES = [("int8", 576, 576), ("int8", 1536, 32), ("int8", 256, 16), ("int8", 192, 64),
-         ("fp8", 512, 128), ("fp8", 320, 16), ("fp8", 64, 64), ("q4", 576, 32), ("q4", 96, 32)]
+         ("int8", 2304, 16), ("fp8", 512, 128), ("fp8", 320, 16), ("fp8", 64, 64),
+         ("q4", 576, 32), ("q4", 96, 32), ("q4", 2304, 32)]
 
 
 @pytest.mark.parametrize("kind,k,group", CASES)
@@ -58,6 +60,38 @@ def test_dequantized_tiles_match_reference(kind: str, k: int, group: int, m: int
     out = ql.quant_linear_dequant(x, w.qweight, w.scales, w.mins)
     assert out.shape == (2, m, 300)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kind,k,group", [("int8", 2304, 32), ("int8", 256, 16),
+                                          ("int8", 576, 576), ("fp8", 512, 128),
+                                          ("q4", 2304, 32), ("q4", 96, 32)])
+@pytest.mark.parametrize("m", [1, 3, 6])
+def test_float16_scales_are_read_as_they_are(kind: str, k: int, group: int, m: int) -> None:
+    """GGUF's float16 scales and mins stay float16: both paths read them without a float32
+    copy, and match the reference as float32 scales do."""
+    gen = torch.Generator().manual_seed(7 * m + k)
+    w = weight(gen, kind, 133, k, group)
+    w = QuantizedWeight(w.qweight, w.scales.half(), None if w.mins is None else w.mins.half())
+    x = torch.randn(m, k, generator=gen)
+    seen = x if kind == "fp8" else ql.quantize_activations(x)
+    for out, ref in ((ql.quant_linear_small_m(x, w.qweight, w.scales, w.mins),
+                      ql.reference(seen, w.dequantize())),
+                     (ql.quant_linear_dequant(x, w.qweight, w.scales, w.mins),
+                      ql.reference(x, w.dequantize()))):
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_compact_scales_only_when_exact() -> None:
+    """float16 scales replace float32 ones only when every value survives the trip."""
+    q = torch.zeros(2, 32, dtype=torch.uint8)  # two groups of 32 a row
+    exact = QuantizedWeight(q, torch.tensor([[0.5, 0.25], [1.0, 3.0]]), torch.zeros(2, 2))
+    compact = exact.compact_scales()
+    assert compact.scales.dtype == compact.mins.dtype == torch.float16
+    assert torch.equal(compact.dequantize(), exact.dequantize())
+    inexact = QuantizedWeight(q, torch.tensor([[0.1, 0.25], [1.0, 3.0]]), torch.zeros(2, 2))
+    assert inexact.compact_scales().scales.dtype == torch.float32
+    with pytest.raises(ValueError, match="mins must be torch.float16"):
+        QuantizedWeight(q, compact.scales, torch.zeros(2, 2))
 
 
 def test_every_fp8_code_decodes_exactly() -> None:

@@ -125,7 +125,7 @@ def read_tensor(t: ReaderTensor, heads: int | None = None) -> torch.Tensor | Qua
         mins = None if mins is None else unpermute_heads(mins, heads)
     weight = QuantizedWeight(_tensor(q), _tensor(scales), None if mins is None else _tensor(mins))
     if len(shape) == 2:
-        return weight
+        return weight.compact_scales()
     # Norms and biases are used as floats (llama.cpp keeps them F32 anyway).
     w = weight.dequantize().reshape(shape).numpy()
     return _tensor(unpermute_heads(w, heads) if heads else w)

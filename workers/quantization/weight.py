@@ -8,7 +8,9 @@
   bytes each: byte j holds element j in its low nibble and element j + 16 in its high one (the
   order of llama.cpp's Q4_0 / Q4_1 blocks). GGUF Q4_0, Q4_1 and Q4_K all fit it.
 
-`scales` (and `mins` for q4) are float32 [N, K / group]; the group size is K over their width.
+`scales` (and `mins` for q4, in the same dtype) are [N, K / group], float32 or float16; the
+group size is K over their width. GGUF stores its block scales as float16: kept so
+(`compact_scales`) they are exact and a quarter of a 4-bit weight's bytes instead of a third.
 `dequantize` is the reference every kernel is checked against.
 """
 
@@ -20,6 +22,7 @@ import torch
 
 Q4_GROUP = 32  # elements per 4-bit group (the nibble order above is per 32 elements)
 KINDS = ("int8", "fp8", "q4")
+SCALE_DTYPES = (torch.float32, torch.float16)
 
 
 @dataclass
@@ -37,6 +40,10 @@ class QuantizedWeight:
         if cols % self.scales.shape[1]:
             raise ValueError(f"{kind}: {cols} columns do not split into "
                              f"{self.scales.shape[1]} groups")
+        if self.scales.dtype not in SCALE_DTYPES:
+            raise ValueError(f"{kind} scales must be float32 or float16, not {self.scales.dtype}")
+        if self.mins is not None and self.mins.dtype != self.scales.dtype:
+            raise ValueError(f"{kind} mins must be {self.scales.dtype} like the scales")
         if (kind == "q4") != (self.mins is not None):
             raise ValueError("4-bit weights need mins; int8 and fp8 ones have none")
         if kind == "q4" and self.group_size != Q4_GROUP:
@@ -73,9 +80,9 @@ class QuantizedWeight:
             q = torch.cat([q & 0xF, q >> 4], dim=-1).float()  # per group: elements j, j + 16
         else:
             q = self.qweight.float().view(self.shape[0], self.scales.shape[1], -1)
-        w = q * self.scales.unsqueeze(-1)
+        w = q * self.scales.float().unsqueeze(-1)
         if self.mins is not None:
-            w = w + self.mins.unsqueeze(-1)
+            w = w + self.mins.float().unsqueeze(-1)
         return w.reshape(self.shape).to(dtype)
 
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
@@ -100,8 +107,18 @@ class QuantizedWeight:
                                None if self.mins is None else self.mins[ids])
 
     def contiguous(self) -> QuantizedWeight:
-        return QuantizedWeight(self.qweight.contiguous(), self.scales.contiguous().float(),
-                               None if self.mins is None else self.mins.contiguous().float())
+        return QuantizedWeight(self.qweight.contiguous(), self.scales.contiguous(),
+                               None if self.mins is None else self.mins.contiguous())
+
+    def compact_scales(self) -> QuantizedWeight:
+        """The same weight with float16 scales and mins when that loses nothing (GGUF's Q8_0,
+        Q4_0 and Q4_1 store them so); otherwise itself."""
+        parts = [t for t in (self.scales, self.mins) if t is not None]
+        if self.scales.dtype == torch.float16 or not all(
+                torch.equal(t.half().float(), t) for t in parts):
+            return self
+        return QuantizedWeight(self.qweight, self.scales.half(),
+                               None if self.mins is None else self.mins.half())
 
 
 def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -111,9 +128,12 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         if p.kind != first.kind or p.group_size != first.group_size:
             raise ValueError(f"cannot fuse a {p.kind} weight in groups of {p.group_size} with "
                              f"a {first.kind} one in groups of {first.group_size}")
-    mins = None if first.mins is None else torch.cat([p.mins for p in parts])
+    # Scales of different dtypes meet as float32 (exact: float16 widens losslessly).
+    dtype = torch.float16 if all(p.scales.dtype == torch.float16 for p in parts) else \
+        torch.float32
+    mins = None if first.mins is None else torch.cat([p.mins.to(dtype) for p in parts])
     return QuantizedWeight(torch.cat([p.qweight for p in parts]),
-                           torch.cat([p.scales for p in parts]), mins)
+                           torch.cat([p.scales.to(dtype) for p in parts]), mins)
 
 
 def quantize_int8(w: torch.Tensor) -> QuantizedWeight:

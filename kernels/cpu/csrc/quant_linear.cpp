@@ -5,7 +5,7 @@
 //   float8_e4m3fn [N, K]   w = fp8(q) * scale            (groups along K, e.g. DeepSeek's 128)
 //   uint8 [N, K / 2]       w = q4 * scale + min          (groups of 32: byte j holds element j in
 //                                                          its low nibble, j + 16 in its high one)
-// scales (and mins) are float32 [N, K / group].
+// scales (and mins) are [N, K / group], float32 or float16 (GGUF's own, read as they are).
 //
 // quant_linear_small_m is for decode batches (M of 1..4), where a linear is bound by reading its
 // weight: the quantized bytes (a quarter or an eighth of float32's) stream once for all M rows.
@@ -24,6 +24,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -164,11 +165,34 @@ inline void prefetch(const uint8_t* p) {
 }
 
 struct Weights {
-  const uint8_t* q;    // [N, row_bytes]
-  const float* scale;  // [N, G]
-  const float* min;    // [N, G] (4-bit) or null
-  int64_t K, G, g;     // features, groups per row, group size
+  const uint8_t* q;   // [N, row_bytes]
+  const void* scale;  // [N, G], float32 or float16 (`half`)
+  const void* min;    // [N, G] (4-bit, the scales' dtype) or null
+  bool half;
+  int64_t K, G, g;  // features, groups per row, group size
 };
+
+// Scale or min i (row-major [N, G]) as a float.
+inline float scalar(const Weights& w, const void* p, int64_t i) {
+  return w.half ? static_cast<float>(static_cast<const c10::Half*>(p)[i])
+                : static_cast<const float*>(p)[i];
+}
+
+// n scales or mins from element i on as float32: the weight's own when they are float32, else
+// converted into buf (float16 scales are GGUF's own, exact, and half the bytes to stream).
+inline const float* floats_at(const Weights& w, const void* p, int64_t i, int64_t n,
+                              float* buf) {
+  if (!w.half) return static_cast<const float*>(p) + i;
+  const auto* h = static_cast<const c10::Half*>(p) + i;
+  int64_t j = 0;
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+  for (; j + 8 <= n; j += 8) {
+    _mm256_storeu_ps(buf + j, _mm256_cvtph_ps(load16(reinterpret_cast<const uint8_t*>(h + j))));
+  }
+#endif
+  for (; j < n; ++j) buf[j] = static_cast<float>(h[j]);
+  return buf;
+}
 
 // ---- fp8 weights against float activations ----
 
@@ -210,7 +234,7 @@ inline void fp8_rows_dot(const float* __restrict x, const Weights& w, int64_t n0
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const Vec s = vset1(w.scale[(n0 + r) * G + gi]);
+      const Vec s = vset1(scalar(w, w.scale, (n0 + r) * G + gi));
 #pragma GCC unroll 16
       for (int m = 0; m < MG; ++m) total[m][r] = vfma(part[m][r], s, total[m][r]);
     }
@@ -374,67 +398,91 @@ inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const flo
   const int64_t per_group = KD == Kind::kQ4 || split ? 1 : w.g / kBlock;
   constexpr int64_t kPfMask = KD == Kind::kQ4 ? 3 : 1;  // one prefetch per 64-byte line
   Vec total[MG][R];
+  float min_terms[MG][R] = {};  // 4-bit: sum over groups of min x block sum
 #pragma GCC unroll 16
   for (int m = 0; m < MG; ++m) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) total[m][r] = vzero();
   }
-  for (int64_t b0 = 0, gi = 0; b0 < B; b0 += per_group, gi += split ? 2 : 1) {
-    Vec acc[MG][R];
+  // The rows' scales (and mins) a chunk of groups at a time, as float32 (floats_at).
+  constexpr int64_t kChunk = 64;  // groups; even, so Q6_K's pairs never straddle chunks
+  float sbuf[R][kChunk], mbuf[R][kChunk];
+  for (int64_t c0 = 0; c0 < G; c0 += kChunk) {
+    const int64_t cn = std::min(kChunk, G - c0);
+    const float* sc[R];
+    const float* mn[R];
 #pragma GCC unroll 16
-    for (int m = 0; m < MG; ++m) {
-#pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) acc[m][r] = vzero();
+    for (int r = 0; r < R; ++r) {
+      sc[r] = floats_at(w, w.scale, (n0 + r) * G + c0, cn, sbuf[r]);
+      if constexpr (KD == Kind::kQ4) mn[r] = floats_at(w, w.min, (n0 + r) * G + c0, cn, mbuf[r]);
     }
-    for (int64_t b = b0; b < b0 + per_group; ++b) {
-      const int64_t byte = row_bytes<KD>(b * kBlock);
-      __m256i xv[MG];
-      Vec xd_v[MG];
+    const int64_t b_end = split ? (c0 + cn) / 2 : (c0 + cn) * per_group;
+    for (int64_t b0 = split ? c0 / 2 : c0 * per_group, gi = 0; b0 < b_end;
+         b0 += per_group, gi += split ? 2 : 1) {
+      Vec acc[MG][R];
 #pragma GCC unroll 16
       for (int m = 0; m < MG; ++m) {
-        xv[m] = load32(xq + m * K + b * kBlock);
-        xd_v[m] = _mm256_broadcast_ss(xd + m * B + b);
+#pragma GCC unroll 16
+        for (int r = 0; r < R; ++r) acc[m][r] = vzero();
       }
+      for (int64_t b = b0; b < b0 + per_group; ++b) {
+        const int64_t byte = row_bytes<KD>(b * kBlock);
+        __m256i xv[MG];
+        Vec xd_v[MG];
 #pragma GCC unroll 16
-      for (int r = 0; r < R; ++r) {
-        const uint8_t* wr = w.q + (n0 + r) * rb + byte;
-        if ((b & kPfMask) == 0) prefetch(wr + kPfAhead);
-        if constexpr (KD == Kind::kQ4) {
-          const __m256i wv = q4_bytes(wr);
+        for (int m = 0; m < MG; ++m) {
+          xv[m] = load32(xq + m * K + b * kBlock);
+          xd_v[m] = _mm256_broadcast_ss(xd + m * B + b);
+        }
 #pragma GCC unroll 16
-          for (int m = 0; m < MG; ++m) {
-            acc[m][r] = vfma(block_dot(wv, xv[m]), xd_v[m], acc[m][r]);
-          }
-        } else {
-          const __m256i wv = load32(wr), wabs = _mm256_abs_epi8(wv);
-          // Q6_K: the block's two groups of 16 take their own weight scale here.
-          const Vec ws2 = split ? _mm256_set_m128(_mm_broadcast_ss(w.scale + (n0 + r) * G + gi + 1),
-                                                  _mm_broadcast_ss(w.scale + (n0 + r) * G + gi))
-                                : vset1(1.f);
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* wr = w.q + (n0 + r) * rb + byte;
+          if ((b & kPfMask) == 0) prefetch(wr + kPfAhead);
+          if constexpr (KD == Kind::kQ4) {
+            const __m256i wv = q4_bytes(wr);
 #pragma GCC unroll 16
-          for (int m = 0; m < MG; ++m) {
-            const Vec d = block_dot(wabs, _mm256_sign_epi8(xv[m], wv));
-            acc[m][r] = vfma(d, split ? _mm256_mul_ps(xd_v[m], ws2) : xd_v[m], acc[m][r]);
+            for (int m = 0; m < MG; ++m) {
+              acc[m][r] = vfma(block_dot(wv, xv[m]), xd_v[m], acc[m][r]);
+            }
+          } else {
+            const __m256i wv = load32(wr), wabs = _mm256_abs_epi8(wv);
+            // Q6_K: the block's two groups of 16 take their own weight scale here.
+            const Vec ws2 = split ? _mm256_set_m128(_mm_broadcast_ss(sc[r] + gi + 1),
+                                                    _mm_broadcast_ss(sc[r] + gi))
+                                  : vset1(1.f);
+#pragma GCC unroll 16
+            for (int m = 0; m < MG; ++m) {
+              const Vec d = block_dot(wabs, _mm256_sign_epi8(xv[m], wv));
+              acc[m][r] = vfma(d, split ? _mm256_mul_ps(xd_v[m], ws2) : xd_v[m], acc[m][r]);
+            }
           }
         }
       }
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        const Vec ws = split ? vset1(1.f) : _mm256_broadcast_ss(sc[r] + gi);
+#pragma GCC unroll 16
+        for (int m = 0; m < MG; ++m) total[m][r] = vfma(acc[m][r], ws, total[m][r]);
+      }
     }
+    if constexpr (KD == Kind::kQ4) {  // a 4-bit group is one block: block sums line up
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const Vec ws = split ? vset1(1.f) : _mm256_broadcast_ss(w.scale + (n0 + r) * G + gi);
+      for (int m = 0; m < MG; ++m) {
 #pragma GCC unroll 16
-      for (int m = 0; m < MG; ++m) total[m][r] = vfma(acc[m][r], ws, total[m][r]);
+        for (int r = 0; r < R; ++r) min_terms[m][r] += dot(mn[r], xs + m * B + c0, cn);
+      }
     }
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MG; ++m) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      const float mins = KD == Kind::kQ4 ? dot(w.min + (n0 + r) * G, xs + m * B, G) : 0.f;
-      y[m * ldy + r] = vsum(total[m][r]) + mins + (bias != nullptr ? bias[n0 + r] : 0.f);
+      y[m * ldy + r] = vsum(total[m][r]) + min_terms[m][r] +
+                       (bias != nullptr ? bias[n0 + r] : 0.f);
     }
   }
 }
+
 #else
 template <Kind KD, int MG, int R>
 inline void int_rows_dot(const int8_t* xq, const float* xd, const float* xs, int64_t B,
@@ -457,9 +505,9 @@ inline void int_rows_dot(const int8_t* xq, const float* xd, const float* xs, int
         const float d = xd[m * B + b];
         for (int h = 0; h < 2; ++h) {
           const int64_t gi = (b * kBlock + h * 16) / g;
-          total += sums[h] * w.scale[(n0 + r) * G + gi] * d;
+          total += sums[h] * scalar(w, w.scale, (n0 + r) * G + gi) * d;
         }
-        if constexpr (KD == Kind::kQ4) total += w.min[(n0 + r) * G + b] * xs[m * B + b];
+        if constexpr (KD == Kind::kQ4) total += scalar(w, w.min, (n0 + r) * G + b) * xs[m * B + b];
       }
       y[m * ldy + r] = total + (bias != nullptr ? bias[n0 + r] : 0.f);
     }
@@ -520,8 +568,8 @@ template <Kind KD>
 void dequant_row(const Weights& w, int64_t n, float* out) {
   const int64_t rb = row_bytes<KD>(w.K);
   for (int64_t gi = 0; gi < w.G; ++gi) {
-    const Vec s = vset1(w.scale[n * w.G + gi]);
-    const Vec mn = vset1(KD == Kind::kQ4 ? w.min[n * w.G + gi] : 0.f);
+    const Vec s = vset1(scalar(w, w.scale, n * w.G + gi));
+    const Vec mn = vset1(KD == Kind::kQ4 ? scalar(w, w.min, n * w.G + gi) : 0.f);
     for (int64_t k = gi * w.g; k < (gi + 1) * w.g; k += kStep<KD>) {
       Vec wv[kNV<KD>];
       decode<KD>(w.q + n * rb + row_bytes<KD>(k), wv);
@@ -587,19 +635,19 @@ Prepared prepare(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
   const int step = p.kind == Kind::kFp8 ? 16 : 32;
   TORCH_CHECK(qweight.size(1) == (p.kind == Kind::kQ4 ? K / 2 : K) && K % step == 0,
               "quant_linear: x has ", K, " features, qweight is ", qweight.sizes());
-  p.scale = scales.contiguous().to(at::kFloat);
+  // float16 scales stay float16 (the kernels read them as such); anything else is float32.
+  const bool half = scales.scalar_type() == at::kHalf;
+  p.scale = scales.contiguous().to(half ? at::kHalf : at::kFloat);
   const int64_t groups = p.scale.dim() == 2 ? p.scale.size(1) : 0;
   const int64_t g = groups > 0 && K % groups == 0 ? K / groups : 0;
   TORCH_CHECK(p.scale.size(0) == N && g > 0 &&
                   (g % step == 0 || (p.kind == Kind::kInt8 && g == 16)),
               "quant_linear: scales ", scales.sizes(), " do not split ", K, " features into ",
               "groups of a multiple of ", step);
-  const float* min_ptr = nullptr;
   if (p.kind == Kind::kQ4) {
     TORCH_CHECK(mins.has_value() && mins->defined() && mins->sizes() == scales.sizes(),
                 "quant_linear: 4-bit weights need mins shaped like their scales");
-    p.min = mins->contiguous().to(at::kFloat);
-    min_ptr = p.min.data_ptr<float>();
+    p.min = mins->contiguous().to(p.scale.scalar_type());
   }
   if (bias.has_value() && bias->defined()) {
     p.bias = bias->contiguous();
@@ -612,8 +660,9 @@ Prepared prepare(const at::Tensor& x, const at::Tensor& qweight, const at::Tenso
   p.y = at::empty(out_sizes, x.options());
   p.M = K == 0 ? 0 : p.x.numel() / K;
   p.N = N;
-  p.w = Weights{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), p.scale.data_ptr<float>(),
-                min_ptr, K, p.scale.size(1), K / p.scale.size(1)};
+  p.w = Weights{reinterpret_cast<const uint8_t*>(qweight.data_ptr()), p.scale.data_ptr(),
+                p.min.defined() ? p.min.data_ptr() : nullptr, half, K, p.scale.size(1),
+                K / p.scale.size(1)};
   return p;
 }
 
