@@ -13,7 +13,12 @@ __all__ = ["AttentionBackend", "AttentionMetadata", "SeqSlice", "select_backend"
 
 
 def select_backend(device: torch.device | str, dtype: torch.dtype) -> AttentionBackend:
-    """The native CPU kernel where it builds and takes the dtype, plain torch elsewhere."""
+    """Triton on CUDA devices, the native CPU kernel where it builds and takes the dtype, plain
+    torch elsewhere."""
+    if torch.device(device).type == "cuda":
+        from workers.attention.triton_backend import TritonAttention
+
+        return TritonAttention(device)
     probe = torch.empty(0, device=device, dtype=dtype)
     if cpu_attention.available(probe):
         from workers.attention.cpu_backend import CpuAttention

@@ -1,0 +1,96 @@
+"""Attention on a GPU through the Triton kernels (kernels/triton): all decode rows of a step in
+one split-KV launch (plus its merge), all prefill chunks in one more.
+
+The metadata is built on the host as for every backend, then its index tensors move to the
+device once per step and KV group (`build_metadata`), so a layer's launches need no host-device
+copies or syncs: padded decode tables, visible key ranges, and the prefill chunks' tables,
+starts, lengths, first positions and key floors (the longest chunk stays a host int: it sizes
+the launch grid).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from workers.attention.base import AttentionBackend
+from workers.attention.metadata import AttentionMetadata, SeqSlice
+
+
+@dataclass
+class PrefillLaunch:
+    """Every prefill chunk of a step, as prefill_attention takes them (device tensors)."""
+
+    tables: torch.Tensor  # [S, MB] int32, -1 padded
+    q_start: torch.Tensor  # [S] int32: first row in the step's batch
+    q_len: torch.Tensor  # [S] int32
+    q_pos0: torch.Tensor  # [S] int32: first query position, counted from the first table block
+    key_lo: torch.Tensor  # [S] int32: keys below this (same origin) are masked
+    max_q_len: int
+
+
+@dataclass
+class TritonMetadata(AttentionMetadata):
+    decode_tables: torch.Tensor | None = None  # [B, MB] on the device
+    decode_rows_dev: torch.Tensor | None = None
+    decode_lo_dev: torch.Tensor | None = None
+    decode_hi_dev: torch.Tensor | None = None
+    prefill_launch: PrefillLaunch | None = None
+
+
+def _prefill_launch(meta: AttentionMetadata, device: torch.device) -> PrefillLaunch | None:
+    ps = meta.prefills
+    if not ps:
+        return None
+    tables = torch.full((len(ps), max(len(p.blocks) for p in ps)), -1, dtype=torch.int32)
+    for i, p in enumerate(ps):
+        tables[i, : len(p.blocks)] = p.blocks
+    ints = torch.tensor([[p.start, p.end - p.start, p.start_pos - p.first_key,
+                          max(p.key_from - p.first_key, 0)] for p in ps], dtype=torch.int32)
+    ints = ints.t().contiguous().to(device, non_blocking=True)
+    return PrefillLaunch(tables.to(device, non_blocking=True), ints[0], ints[1], ints[2],
+                         ints[3], max(p.end - p.start for p in ps))
+
+
+class TritonAttention(AttentionBackend):
+    name = "triton"
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+
+    def build_metadata(self, slices: list[SeqSlice], block_size: int,
+                       window: int | None) -> TritonMetadata:
+        base = AttentionMetadata.build(slices, block_size, window)
+        meta = TritonMetadata(**{f: getattr(base, f) for f in base.__dataclass_fields__})
+        dev = self.device
+        meta.row_slots = base.row_slots.to(dev, non_blocking=True)
+        if base.decode_rows is not None:
+            rows = len(base.decode_rows)
+            meta.decode_tables = base.decode_blocks.view(rows, -1).to(dev, non_blocking=True)
+            meta.decode_rows_dev = base.decode_rows.to(dev, non_blocking=True)
+            meta.decode_lo_dev = base.decode_lo.to(dev, non_blocking=True)
+            meta.decode_hi_dev = base.decode_hi.to(dev, non_blocking=True)
+        meta.prefill_launch = _prefill_launch(base, dev)
+        return meta
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
+                ) -> torch.Tensor:
+        from kernels.triton.decode_attention import paged_decode_attention
+        from kernels.triton.prefill_attention import prefill_attention
+
+        if not isinstance(meta, TritonMetadata):  # built by another backend (a test, a tool)
+            meta = self.build_metadata(meta.seqs, meta.block_size, meta.window)
+        if meta.decode_rows is not None and meta.prefill_launch is None:
+            return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
+                                          meta.decode_lo_dev, meta.decode_hi_dev, scale)
+        out = torch.empty_like(q)
+        if meta.decode_rows is not None:
+            rows = meta.decode_rows_dev
+            out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, meta.decode_tables,
+                                               meta.decode_lo_dev, meta.decode_hi_dev, scale)
+        p = meta.prefill_launch
+        if p is not None:
+            prefill_attention(q, k_cache, v_cache, p.tables, p.q_start, p.q_len, p.q_pos0,
+                              p.key_lo, scale, p.max_q_len, window=meta.window, out=out)
+        return out
