@@ -13,7 +13,6 @@ from workers.attention import AttentionMetadata, SeqSlice, select_backend
 from workers.attention.torch_backend import TorchAttention
 from workers.attention.triton_backend import TritonAttention, TritonMetadata
 
-
 PLANS = {  # (start, new tokens, verify, key_from, write_from) per seq
     "mixed": [(9, 1, False, 0, 0), (14, 3, True, 0, 0), (0, 7, False, 0, 0),
               (8, 6, False, 0, 0), (10, 5, False, 6, 12), (21, 1, False, 0, 0)],
