@@ -62,6 +62,36 @@ def test_dequantized_tiles_match_reference(kind: str, k: int, group: int, m: int
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("k,group", [(576, 576), (576, 32), (1536, 64), (96, 32)])
+@pytest.mark.parametrize("m", [1, 5, 70, 300])  # 300: two passes of 256 rows
+@pytest.mark.parametrize("n", [1, 16, 45])  # tiles of 16 columns, whole and partial
+def test_int8_gemm_matches_reference(k: int, group: int, m: int, n: int) -> None:
+    """The int8 GEMM computes what the small-M kernel computes (activations int8 per block of
+    32), for any M: the same reference, exact up to summation order; -128 weights included."""
+    gen = torch.Generator().manual_seed(m * 7 + n + k)
+    w = weight(gen, "int8", n, k, group)
+    w.qweight[0, :8] = -128  # outside the symmetric range, yet a valid int8
+    x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)  # outlier columns
+    bias = torch.randn(n, generator=gen)
+    ref = ql.reference(ql.quantize_activations(x), w.dequantize(), bias)
+    out = ql.quant_linear_int8_gemm(x, w.qweight, w.scales, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    half = ql.quant_linear_int8_gemm(x.view(1, m, k), w.qweight, w.scales.half())  # 3-D x
+    torch.testing.assert_close(half[0], ql.reference(ql.quantize_activations(x),
+                                                     QuantizedWeight(w.qweight, w.scales.half())
+                                                     .dequantize()),
+                               rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+def test_int8_gemm_refuses_other_layouts() -> None:
+    with pytest.raises(RuntimeError, match="int8 weights in groups of a multiple of 32"):
+        ql.quant_linear_int8_gemm(torch.randn(5, 64), torch.zeros(3, 64, dtype=torch.int8),
+                                  torch.ones(3, 4))  # groups of 16 (Q6_K)
+    with pytest.raises(RuntimeError, match="int8 weights"):  # fp8
+        ql.quant_linear_int8_gemm(torch.randn(5, 64), torch.zeros(3, 64).to(torch.float8_e4m3fn),
+                                  torch.ones(3, 2))
+
+
 @pytest.mark.parametrize("kind,k,group", [("int8", 2304, 32), ("int8", 256, 16),
                                           ("int8", 576, 576), ("fp8", 512, 128),
                                           ("q4", 2304, 32), ("q4", 96, 32)])

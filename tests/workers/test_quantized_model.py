@@ -1,13 +1,14 @@
 """Quantized models (int8 at load, fp8 checkpoints, GGUF files) against HF transformers running
 their dequantized float weights: prompts chunked through the scheduler, then greedy decode steps.
 
-Prompt rows go through the dequantized-tile GEMM (more than 4 rows), which takes activations as
-they are: those logits must match to float32 summation order, as the float model's do (~1e-6;
-1e-3 allowed, tests/workers/test_model_vs_hf.py). Decode steps (at most 4 rows) go through the
-streaming kernels, where int8 and 4-bit weights meet activations rounded to int8 per block of 32:
-each linear's input moves by at most max|block| / 254, which through these random models moves
-logits by a few % of their spread (measured ≤ 0.04 of a 0.64 std); DECODE_TOL allows 0.06. A wrong
-scale, group, nibble order or row order moves them by the spread itself.
+Where activations stay float32 (fp8 weights; 4-bit weights above 4 rows, through dequantized
+tiles), logits must match to float32 summation order, as the float model's do (~1e-6; 1e-3
+allowed, tests/workers/test_model_vs_hf.py). Where int8 and 4-bit weights meet activations
+rounded to int8 per block of 32 (every decode step of at most 4 rows; int8 weights at any row
+count, through the int8 GEMM, prompts included) each linear's input moves by at most
+max|block| / 254, which through these random models moves logits by a few % of their spread
+(measured <= 0.12 of a 0.64 std, most 0.03-0.07); ROUNDED_TOL allows 0.2. A wrong scale,
+group, nibble order or row order moves them by the spread itself.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from tests.conftest import save_tiny_model
 from tests.workers.engine_steps import run_engine
 from tests.workers.quantized_checkpoints import write_fp8_checkpoint, write_int8_reference
 
-PREFILL_TOL = 1e-3
-DECODE_TOL = 0.15
+EXACT_TOL = 1e-3  # absolute, scaled by the logits' std when that is above 1
+ROUNDED_TOL = 0.2  # of the logits' std
 
 
 def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
@@ -37,19 +38,23 @@ def hf_logits(model_dir: Path, ids: list[int]) -> torch.Tensor:
 
 
 def check_against(engine_dir: Path, quantization: str | None, reference: Path,
-                  prompts: dict[str, list[int]], decode_tol: float) -> dict:
+                  prompts: dict[str, list[int]], rounded_prompt: bool,
+                  rounded_decode: bool = True) -> dict:
+    """`rounded_*`: whether the prompt's / decode steps' activations are rounded to int8 (then
+    ROUNDED_TOL of the logits' std holds), or stay float32 (EXACT_TOL)."""
     runner, logits, tokens, _ = run_engine(engine_dir, prompts, max_tokens=4,
                                            quantization=quantization)
     for rid, ids in prompts.items():
         ref = hf_logits(reference, ids + tokens[rid][:-1])  # teacher-forced on our tokens
         ours = logits[rid]
         assert ours.shape == ref.shape
-        prefill = (ours[: len(ids)] - ref[: len(ids)]).abs().max().item()
-        decode = (ours[len(ids):] - ref[len(ids):]).abs().max().item() / ref.std().item()
-        print(f"{rid}: prompt logits within {prefill:.2g}, decode within {decode:.2g} std")
-        assert prefill < PREFILL_TOL * max(1.0, ref.std().item()), \
-            f"{rid}: prompt logits off by {prefill}"
-        assert decode < decode_tol, f"{rid}: decode logits off by {decode:.3g} of their std"
+        std = ref.std().item()
+        for part, rows, rounded in (("prompt", slice(0, len(ids)), rounded_prompt),
+                                    ("decode", slice(len(ids), None), rounded_decode)):
+            err = (ours[rows] - ref[rows]).abs().max().item()
+            bound = ROUNDED_TOL * std if rounded else EXACT_TOL * max(1.0, std)
+            print(f"{rid}: {part} logits within {err:.2g} ({err / std:.2g} std)")
+            assert err < bound, f"{rid}: {part} logits off by {err:.3g} (std {std:.3g})"
     return {"runner": runner, "tokens": tokens}
 
 
@@ -82,7 +87,7 @@ needs_native = pytest.mark.skipif(not quant_linear.available(torch.empty(1)),
 @needs_native
 def test_int8_at_load_matches_its_round_trip(float_model, prompts, tmp_path) -> None:
     reference = write_int8_reference(float_model, tmp_path / "int8-ref")
-    got = check_against(float_model, "int8", reference, prompts, DECODE_TOL)
+    got = check_against(float_model, "int8", reference, prompts, rounded_prompt=True)
     # 3 layers x (qkv, o, gate_up, down) + the head, every one int8, all in the one-call layer
     assert quantized_linears(got["runner"]) == {"int8": 13}
     assert got["runner"].model.model.fast_layers is not None
@@ -90,12 +95,12 @@ def test_int8_at_load_matches_its_round_trip(float_model, prompts, tmp_path) -> 
 
 @needs_native
 def test_fp8_checkpoint_matches_its_dequantized_twin(float_model, prompts, tmp_path) -> None:
-    """No activation rounding on the fp8 path: decode steps are held to the prompt's bound."""
+    """No activation rounding on the fp8 path: everything is held to the exact bound."""
     fp8, reference = write_fp8_checkpoint(float_model, tmp_path / "fp8", tmp_path / "fp8-ref")
-    got = check_against(fp8, None, reference, prompts, PREFILL_TOL)
+    got = check_against(fp8, None, reference, prompts, False, False)
     assert quantized_linears(got["runner"]) == {"fp8": 12}  # the head stays float, as shipped
     # --quantization none reads the same checkpoint into float weights: the same logits
-    none = check_against(fp8, "none", reference, prompts, PREFILL_TOL)
+    none = check_against(fp8, "none", reference, prompts, False, False)
     assert quantized_linears(none["runner"]) == {}
     assert none["tokens"] == got["tokens"]
 
@@ -105,7 +110,7 @@ def test_odd_shapes_fall_back_to_dequantized_weights(tmp_path, prompts) -> None:
     its dequantized weight (no activation rounding) and the model still matches."""
     model = save_tiny_model(tmp_path / "odd", tie_word_embeddings=False)
     reference = write_int8_reference(model, tmp_path / "odd-ref")
-    got = check_against(model, "int8", reference, prompts, DECODE_TOL)
+    got = check_against(model, "int8", reference, prompts, rounded_prompt=True)
     runner = got["runner"]
     down = runner.model.model.layers[0].mlp.down_proj.quant
     assert down is not None and not down.native
@@ -144,7 +149,8 @@ def test_gguf_served_quantized_matches_its_conversion(types: str, tmp_path) -> N
     sidecar = Path(ensure_model(str(gguf)))
     rng = np.random.default_rng(1)
     prompts = {f"r{i}": rng.integers(3, 260, size=n).tolist() for i, n in enumerate([6, 19])}
-    got = check_against(sidecar, None, reference, prompts, DECODE_TOL)
+    # Prompts: the int8 parts (Q8_0) round activations through the int8 GEMM.
+    got = check_against(sidecar, None, reference, prompts, rounded_prompt=True)
     kinds = quantized_linears(got["runner"])
     if types == "default":
         assert kinds == {"q4": 6, "int8": 3}  # qkv, o, gate_up per layer; down; the head
@@ -167,5 +173,5 @@ def test_deepseek_fp8_checkpoint_matches_its_dequantized_twin(arch: str, tmp_pat
     fp8, reference = write_fp8_checkpoint(src, tmp_path / "fp8", tmp_path / "fp8-ref")
     rng = np.random.default_rng(2)
     prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist() for i, n in enumerate([7, 12])}
-    got = check_against(fp8, None, reference, prompts, PREFILL_TOL)
+    got = check_against(fp8, None, reference, prompts, False, False)
     assert quantized_linears(got["runner"]).get("fp8", 0) > 0

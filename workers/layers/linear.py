@@ -126,7 +126,8 @@ class Linear(nn.Module):
             q = self.quant
             if not isinstance(q, QuantizedMatmul) or not q.native:
                 return None
-            return LinearWeights(q.weight.qweight, None, self._b, q.weight.scales, q.weight.mins)
+            return LinearWeights(q.weight.qweight, None, self._b, q.weight.scales, q.weight.mins,
+                                 int8_gemm=q.int8_gemm)
         if not (self.small_m or self.packed is not None):
             return None
         return LinearWeights(self._w if self.small_m else EMPTY, self.packed, self._b)

@@ -188,8 +188,9 @@ class LlamaModel(nn.Module):
     def _fast_path(self, rows: int, metas: list[AttentionMetadata]) -> bool:
         if not self.fast_layers or any(m.decode_rows is None or m.prefills for m in metas):
             return False
-        # A linear kept without its packed copy goes to F.linear above SMALL_M rows.
-        return rows <= SMALL_M or self.fast_layers[0].packed_above_small_m()
+        # A linear kept without its packed copy (or a quantized one the int8 GEMM does not
+        # take) goes to F.linear or dequantized tiles above SMALL_M rows.
+        return rows <= SMALL_M or all(w.takes_any_rows() for w in self.fast_layers)
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         x, residual = self.embed_tokens(input_ids), None

@@ -40,6 +40,11 @@ def _fbgemm_pack(weight: QuantizedWeight):
     return torch.ops.quantized.linear_prepack(q, None)
 
 
+def int8_gemm_takes(weight: QuantizedWeight) -> bool:
+    """True for the weights the native int8 GEMM multiplies (int8, groups of 32k elements)."""
+    return weight.kind == "int8" and weight.group_size % 32 == 0
+
+
 class QuantizedMatmul:
     def __init__(self, weight: QuantizedWeight, bias: torch.Tensor | None) -> None:
         self.weight = weight.contiguous()
@@ -54,6 +59,8 @@ class QuantizedMatmul:
                 self.native = False
         self.packed = (_fbgemm_pack(self.weight)
                        if self.native and envs.int8_dynamic_activations() else None)
+        # int8 in groups of a multiple of 32 (per channel, Q8_0): the int8 GEMM above SMALL_M.
+        self.int8_gemm = self.native and int8_gemm_takes(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -68,6 +75,8 @@ class QuantizedMatmul:
             scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
             y = torch.ops.quantized.linear_dynamic(x / scale, self.packed, True).mul_(scale)
             return y if self.bias is None else y.add_(self.bias)
+        if self.int8_gemm:
+            return native.quant_linear_int8_gemm(x, w.qweight, w.scales, self.bias)
         return native.quant_linear_dequant(x, w.qweight, w.scales, w.mins, self.bias)
 
     def nbytes(self) -> int:

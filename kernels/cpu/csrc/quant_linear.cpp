@@ -563,6 +563,117 @@ void run_int_small_m(const float* x, const Weights& w, const float* bias, float*
   }
 }
 
+// ---- int8 weights against int8 activations, any M: a register-blocked GEMM ----
+//
+// The small-M kernel's numerics (activations int8 per block of 32, the block's integer dot
+// product scaled by activation and weight scale), arranged for many rows: a tile of 16 weight
+// rows is repacked so that one 32-byte vector holds 4 consecutive k of 8 output columns; a
+// broadcast quad of one activation row meets it in one u8 x s8 multiply-add, whose pairs a
+// second multiply-add folds into 8 int32 sums, one per column. No horizontal sums; per block
+// of 32, one conversion and one FMA per 8 columns. Int8 weights in groups of a multiple of 32
+// (per channel, GGUF Q8_0); without AVX2 the small-M kernel computes the same for any M.
+#if defined(__AVX2__) && defined(__FMA__)
+constexpr int64_t kTileN = 16;   // output columns per tile (two vectors)
+constexpr int64_t kChunkM = 256;  // activation rows per pass over the tiles (they stay in L2)
+
+// Rows [n0, n0 + rows) of w (rows <= 16): quad p of column c at packed[p * 16 + c]; missing
+// columns are zeros. Block scales per column: wsb[b * 16 + c].
+void pack_tile(const Weights& w, int64_t n0, int64_t rows, int32_t* packed, float* wsb) {
+  const int64_t K = w.K, P = K / 4, B = K / kBlock, per_group = w.g / kBlock;
+  for (int64_t c = 0; c < kTileN; ++c) {
+    if (c < rows) {
+      const uint8_t* src = w.q + (n0 + c) * K;
+      for (int64_t p = 0; p < P; ++p) std::memcpy(packed + p * kTileN + c, src + 4 * p, 4);
+      for (int64_t b = 0; b < B; ++b) {
+        wsb[b * kTileN + c] = scalar(w, w.scale, (n0 + c) * w.G + b / per_group);
+      }
+    } else {
+      for (int64_t p = 0; p < P; ++p) packed[p * kTileN + c] = 0;
+      for (int64_t b = 0; b < B; ++b) wsb[b * kTileN + c] = 0.f;
+    }
+  }
+}
+
+// y[m, c] for MR activation rows against one packed tile (cols <= 16 columns written).
+template <int MR>
+inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd, int64_t K,
+                      int64_t B, const int32_t* __restrict packed, const float* __restrict wsb,
+                      const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 accf[MR][2];
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) accf[m][0] = accf[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    __m256i acc[MR][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int64_t q = 0; q < 8; ++q) {
+      const int64_t p = b * 8 + q;
+      const __m256i w0 = load32(packed + p * kTileN), w1 = load32(packed + p * kTileN + 8);
+      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 8
+      for (int m = 0; m < MR; ++m) {
+        int32_t quad;
+        std::memcpy(&quad, xq + m * K + 4 * p, 4);
+        const __m256i xv = _mm256_set1_epi32(quad);
+        // |w| x (x with w's sign): u8 x s8 pairs of at most 2 * 128 * 127, no saturation.
+        acc[m][0] = _mm256_add_epi32(
+            acc[m][0], _mm256_madd_epi16(_mm256_maddubs_epi16(a0, _mm256_sign_epi8(xv, w0)), ones));
+        acc[m][1] = _mm256_add_epi32(
+            acc[m][1], _mm256_madd_epi16(_mm256_maddubs_epi16(a1, _mm256_sign_epi8(xv, w1)), ones));
+      }
+    }
+    const __m256 s0 = _mm256_loadu_ps(wsb + b * kTileN), s1 = _mm256_loadu_ps(wsb + b * kTileN + 8);
+#pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      const __m256 d = _mm256_broadcast_ss(xd + m * B + b);
+      accf[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][0]), _mm256_mul_ps(s0, d), accf[m][0]);
+      accf[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), _mm256_mul_ps(s1, d), accf[m][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int m = 0; m < MR; ++m) {
+    alignas(32) float out[kTileN];
+    _mm256_store_ps(out, accf[m][0]);
+    _mm256_store_ps(out + 8, accf[m][1]);
+    for (int64_t c = 0; c < cols; ++c) y[m * ldy + c] = out[c] + (bias != nullptr ? bias[c] : 0.f);
+  }
+}
+
+void run_int8_gemm(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+                   int64_t N) {
+  const int64_t K = w.K, B = K / kBlock, tiles = (N + kTileN - 1) / kTileN;
+  for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
+    const int64_t mc = std::min(kChunkM, M - m0);
+    const QuantX xq = quantize_x(x + m0 * K, mc, K);
+    at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+      std::vector<int32_t> packed(K / 4 * kTileN);
+      std::vector<float> wsb(B * kTileN);
+      for (int64_t t = t0; t < t1; ++t) {
+        const int64_t n0 = t * kTileN, cols = std::min(kTileN, N - n0);
+        pack_tile(w, n0, cols, packed.data(), wsb.data());
+        const float* bt = bias != nullptr ? bias + n0 : nullptr;
+        int64_t m = 0;
+        auto rows = [&](auto mr) {
+          constexpr int MR = decltype(mr)::value;
+          gemm_rows<MR>(xq.q.data() + m * K, xq.scale.data() + m * B, K, B, packed.data(),
+                        wsb.data(), bt, y + (m0 + m) * N + n0, N, cols);
+          m += MR;
+        };
+        while (m + 4 <= mc) rows(std::integral_constant<int, 4>{});
+        while (m < mc) rows(std::integral_constant<int, 1>{});
+      }
+    });
+  }
+}
+#else
+void run_int8_gemm(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+                   int64_t N) {
+  run_int_small_m<Kind::kInt8>(x, w, bias, y, M, N);
+}
+#endif
+
 // One weight row, dequantized into out[K].
 template <Kind KD>
 void dequant_row(const Weights& w, int64_t n, float* out) {
@@ -682,6 +793,17 @@ at::Tensor quant_linear_small_m(const at::Tensor& x, const at::Tensor& qweight,
   return p.y;
 }
 
+at::Tensor quant_linear_int8_gemm(const at::Tensor& x, const at::Tensor& qweight,
+                                  const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
+  Prepared p = prepare(x, qweight, scales, std::nullopt, bias);
+  TORCH_CHECK(p.kind == Kind::kInt8 && p.w.g % kBlock == 0,
+              "quant_linear_int8_gemm: int8 weights in groups of a multiple of 32 only");
+  if (p.M == 0 || p.N == 0) return p.y;
+  run_int8_gemm(p.x.data_ptr<float>(), p.w, p.bias.defined() ? p.bias.data_ptr<float>() : nullptr,
+                p.y.data_ptr<float>(), p.M, p.N);
+  return p.y;
+}
+
 at::Tensor quant_linear_dequant(const at::Tensor& x, const at::Tensor& qweight,
                                 const at::Tensor& scales, const std::optional<at::Tensor>& mins,
                                 const std::optional<at::Tensor>& bias) {
@@ -705,9 +827,12 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "Tensor? bias=None) -> Tensor");
   m.def("quant_linear_dequant(Tensor x, Tensor qweight, Tensor scales, Tensor? mins=None, "
         "Tensor? bias=None) -> Tensor");
+  m.def("quant_linear_int8_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("quant_linear_small_m", &quant_linear_small_m);
   m.impl("quant_linear_dequant", &quant_linear_dequant);
+  m.impl("quant_linear_int8_gemm", &quant_linear_int8_gemm);
 }
