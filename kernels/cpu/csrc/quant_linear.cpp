@@ -580,10 +580,36 @@ constexpr int64_t kChunkM = 256;  // activation rows per pass over the tiles (th
 // columns are zeros. Block scales per column: wsb[b * 16 + c].
 void pack_tile(const Weights& w, int64_t n0, int64_t rows, int32_t* packed, float* wsb) {
   const int64_t K = w.K, P = K / 4, B = K / kBlock, per_group = w.g / kBlock;
+  int64_t whole = 0;  // quads moved by 8 x 8 transposes (8 columns x 8 quads at a time)
+  if (rows == kTileN) {
+    for (; whole + 8 <= P; whole += 8) {
+      for (int64_t c0 = 0; c0 < kTileN; c0 += 8) {
+        __m256i r[8];
+        for (int i = 0; i < 8; ++i) r[i] = load32(w.q + (n0 + c0 + i) * K + 4 * whole);
+        // 32-bit 8 x 8 transpose: r[i] lane j (quad whole + j of column c0 + i) -> t[j] lane i
+        const __m256i a0 = _mm256_unpacklo_epi32(r[0], r[1]), a1 = _mm256_unpackhi_epi32(r[0], r[1]);
+        const __m256i a2 = _mm256_unpacklo_epi32(r[2], r[3]), a3 = _mm256_unpackhi_epi32(r[2], r[3]);
+        const __m256i a4 = _mm256_unpacklo_epi32(r[4], r[5]), a5 = _mm256_unpackhi_epi32(r[4], r[5]);
+        const __m256i a6 = _mm256_unpacklo_epi32(r[6], r[7]), a7 = _mm256_unpackhi_epi32(r[6], r[7]);
+        const __m256i b0 = _mm256_unpacklo_epi64(a0, a2), b1 = _mm256_unpackhi_epi64(a0, a2);
+        const __m256i b2 = _mm256_unpacklo_epi64(a1, a3), b3 = _mm256_unpackhi_epi64(a1, a3);
+        const __m256i b4 = _mm256_unpacklo_epi64(a4, a6), b5 = _mm256_unpackhi_epi64(a4, a6);
+        const __m256i b6 = _mm256_unpacklo_epi64(a5, a7), b7 = _mm256_unpackhi_epi64(a5, a7);
+        const __m256i t[8] = {
+            _mm256_permute2x128_si256(b0, b4, 0x20), _mm256_permute2x128_si256(b1, b5, 0x20),
+            _mm256_permute2x128_si256(b2, b6, 0x20), _mm256_permute2x128_si256(b3, b7, 0x20),
+            _mm256_permute2x128_si256(b0, b4, 0x31), _mm256_permute2x128_si256(b1, b5, 0x31),
+            _mm256_permute2x128_si256(b2, b6, 0x31), _mm256_permute2x128_si256(b3, b7, 0x31)};
+        for (int j = 0; j < 8; ++j) {
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(packed + (whole + j) * kTileN + c0), t[j]);
+        }
+      }
+    }
+  }
   for (int64_t c = 0; c < kTileN; ++c) {
     if (c < rows) {
       const uint8_t* src = w.q + (n0 + c) * K;
-      for (int64_t p = 0; p < P; ++p) std::memcpy(packed + p * kTileN + c, src + 4 * p, 4);
+      for (int64_t p = whole; p < P; ++p) std::memcpy(packed + p * kTileN + c, src + 4 * p, 4);
       for (int64_t b = 0; b < B; ++b) {
         wsb[b * kTileN + c] = scalar(w, w.scale, (n0 + c) * w.G + b / per_group);
       }
@@ -632,7 +658,16 @@ inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd, i
       accf[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), _mm256_mul_ps(s1, d), accf[m][1]);
     }
   }
+  if (cols == kTileN) {  // a whole tile: two vector stores a row
+    const __m256 b0 = bias != nullptr ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+    const __m256 b1 = bias != nullptr ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 8
+    for (int m = 0; m < MR; ++m) {
+      _mm256_storeu_ps(y + m * ldy, _mm256_add_ps(accf[m][0], b0));
+      _mm256_storeu_ps(y + m * ldy + 8, _mm256_add_ps(accf[m][1], b1));
+    }
+    return;
+  }
   for (int m = 0; m < MR; ++m) {
     alignas(32) float out[kTileN];
     _mm256_store_ps(out, accf[m][0]);
