@@ -4,12 +4,16 @@
   the quantized bytes once: a quarter (int8) or an eighth (4-bit) of float32's. int8 and 4-bit
   weights meet int8 activations there, per block of 32, which leaves the default model's greedy
   text as weight-only int8 has it.
-- More rows: dequantized tiles and a float32 GEMM, natively, activations as they are.
+- More rows, int8 weights in groups of a multiple of 32 (per channel, Q8_0): the native int8
+  GEMM, with the same numerics (activations int8 per block of 32): ~1.5x oneDNN's float32 at
+  64 rows here. A batch's rows then round as a lone decode row does.
+- More rows, other layouts (4-bit, fp8, Q6_K's groups of 16): dequantized tiles and a float32
+  GEMM, natively, activations as they are.
 - More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
-  u8 x s8 GEMM (`quantized::linear_dynamic`), activations quantized per token: int8 arithmetic,
-  ~1.5x oneDNN's float32 at 64 rows here, but only 7 bits on AVX2 (reduce_range), which moves
-  the default model's greedy text within a few tokens; so it is opt-in. FBGEMM keeps its own
-  packed copy of the int8 weight.
+  u8 x s8 GEMM (`quantized::linear_dynamic`) instead, activations quantized per token to 7 bits
+  (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the int8 GEMM (7 bits
+  let it add pairs before widening), but coarser, which moves the default model's greedy text
+  within a few tokens; so it is opt-in. FBGEMM keeps its own packed copy of the int8 weight.
 - Without the native kernels (no compiler, another device): the dequantized weight and F.linear.
 """
 

@@ -1,0 +1,58 @@
+"""Which product a quantized linear picks by row count and layout, and what each computes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu import quant_linear as ql
+from workers.quantization.matmul import QuantizedMatmul
+from workers.quantization.weight import QuantizedWeight, quantize_int8
+
+pytestmark = pytest.mark.skipif(not ql.available(torch.empty(1)),
+                                reason=f"not built: {ql.build_error()}")
+
+
+def float_weight(n: int = 48, k: int = 128) -> torch.Tensor:
+    return torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.05
+
+
+@pytest.mark.parametrize("rows", [1, 4, 5, 64])
+def test_int8_rounds_activations_the_same_way_at_every_row_count(rows: int) -> None:
+    """Small-M kernel up to 4 rows, int8 GEMM above: both see activations rounded to int8 per
+    block of 32, so each row's output is the same whatever the batch around it."""
+    weight = quantize_int8(float_weight())
+    mm = QuantizedMatmul(weight, None)
+    assert mm.int8_gemm and mm.packed is None
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
+    ref = ql.reference(ql.quantize_activations(x), weight.dequantize())
+    torch.testing.assert_close(mm(x), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mm(x)[:1], mm(x[:1]), rtol=1e-5, atol=1e-5)
+
+
+def test_four_bit_weights_take_float_activations_above_four_rows() -> None:
+    gen = torch.Generator().manual_seed(1)
+    weight = QuantizedWeight(torch.randint(0, 256, (48, 64), generator=gen, dtype=torch.uint8),
+                             torch.rand(48, 4, generator=gen) * 0.01, torch.zeros(48, 4))
+    mm = QuantizedMatmul(weight, None)
+    assert not mm.int8_gemm
+    x = torch.randn(6, 128, generator=gen)
+    torch.testing.assert_close(mm(x), ql.reference(x, weight.dequantize()), rtol=1e-5,
+                               atol=1e-5)
+
+
+def test_fbgemm_is_opt_in(monkeypatch) -> None:
+    """DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: more than 4 rows through FBGEMM (per-token 7-bit
+    activations: within a few % of the float product, not the int8 GEMM's rounding)."""
+    if not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
+        pytest.skip("this torch has no FBGEMM")
+    monkeypatch.setenv("DEEPINFER_INT8_DYNAMIC_ACTIVATIONS", "1")
+    weight = quantize_int8(float_weight())
+    mm = QuantizedMatmul(weight, None)
+    assert mm.packed is not None
+    x = torch.randn(8, 128, generator=torch.Generator().manual_seed(2))
+    exact = ql.reference(x, weight.dequantize())
+    out = mm(x)
+    assert (out - exact).abs().max() < 0.05 * exact.abs().max()
+    assert not torch.allclose(out, ql.reference(ql.quantize_activations(x), weight.dequantize()),
+                              rtol=1e-5, atol=1e-5)
