@@ -31,18 +31,18 @@ class LinearWeights:
     to 4 rows; EMPTY when only the packed copy is kept) and the oneDNN-packed one (used above 4
     rows; None: the small-M kernel throughout). A quantized weight (int8, fp8 or 4-bit: plain is
     its qweight, with its scales and mins, workers/quantization/weight.py) has no packed copy:
-    the quantized small-M kernel takes it, and above 4 rows the int8 GEMM when it is int8 in
-    groups of a multiple of 32."""
+    the quantized small-M kernel takes it, and above 4 rows the integer GEMM when it is int8
+    in groups of a multiple of 32, or 4-bit."""
 
     plain: torch.Tensor
     packed: torch.Tensor | None
     bias: torch.Tensor | None = None
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
-    int8_gemm: bool = False  # quantized int8 the int8 GEMM takes above 4 rows
+    int_gemm: bool = False  # quantized, and the integer GEMM takes it above 4 rows
 
     def takes_any_rows(self) -> bool:
-        return self.packed is not None or self.int8_gemm
+        return self.packed is not None or self.int_gemm
 
 
 @dataclass(frozen=True)
@@ -62,8 +62,8 @@ class DecodeLayerWeights:
     kv_group: int  # which KV group's block tables and key ranges the layer reads
 
     def takes_any_rows(self) -> bool:
-        """True when every linear can take more than 4 rows (a packed copy, or int8 weights
-        the int8 GEMM takes)."""
+        """True when every linear can take more than 4 rows (a packed copy, or quantized
+        weights the integer GEMM takes)."""
         return all(w.takes_any_rows() for w in (self.qkv, self.o, self.gate_up, self.down))
 
 

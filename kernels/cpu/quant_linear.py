@@ -43,11 +43,12 @@ def quant_linear_dequant(x: torch.Tensor, qweight: torch.Tensor, scales: torch.T
     return _OP.sibling("quant_linear_dequant")(x, qweight, scales, mins, bias)
 
 
-def quant_linear_int8_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-                           bias: torch.Tensor | None = None) -> torch.Tensor:
-    """int8 weights (groups of a multiple of 32) for any M, computing what the small-M kernel
-    computes (activations int8 per block of 32) as a register-blocked GEMM."""
-    return _OP.sibling("quant_linear_int8_gemm")(x, qweight, scales, bias)
+def quant_linear_int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                          mins: torch.Tensor | None = None,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """int8 (groups of a multiple of 32) or 4-bit weights for any M, computing what the small-M
+    kernel computes (activations int8 per block of 32) as a register-blocked integer GEMM."""
+    return _OP.sibling("quant_linear_int_gemm")(x, qweight, scales, mins, bias)
 
 
 def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None

@@ -65,31 +65,36 @@ def test_dequantized_tiles_match_reference(kind: str, k: int, group: int, m: int
 @pytest.mark.parametrize("k,group", [(576, 576), (576, 32), (1536, 64), (96, 32)])
 @pytest.mark.parametrize("m", [1, 5, 70, 300])  # 300: two passes of 256 rows
 @pytest.mark.parametrize("n", [1, 16, 45])  # tiles of 16 columns, whole and partial
-def test_int8_gemm_matches_reference(k: int, group: int, m: int, n: int) -> None:
-    """The int8 GEMM computes what the small-M kernel computes (activations int8 per block of
-    32), for any M: the same reference, exact up to summation order; -128 weights included."""
+@pytest.mark.parametrize("kind", ["int8", "q4"])
+def test_int_gemm_matches_reference(kind: str, k: int, group: int, m: int, n: int) -> None:
+    """The integer GEMM computes what the small-M kernel computes (activations int8 per block
+    of 32), for any M: the same reference, exact up to summation order; -128 weights
+    included."""
+    if kind == "q4":
+        group = 32
     gen = torch.Generator().manual_seed(m * 7 + n + k)
-    w = weight(gen, "int8", n, k, group)
-    w.qweight[0, :8] = -128  # outside the symmetric range, yet a valid int8
+    w = weight(gen, kind, n, k, group)
+    if kind == "int8":
+        w.qweight[0, :8] = -128  # outside the symmetric range, yet a valid int8
     x = torch.randn(m, k, generator=gen) * torch.logspace(-2, 1, k)  # outlier columns
     bias = torch.randn(n, generator=gen)
     ref = ql.reference(ql.quantize_activations(x), w.dequantize(), bias)
-    out = ql.quant_linear_int8_gemm(x, w.qweight, w.scales, bias)
+    out = ql.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins, bias)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
-    half = ql.quant_linear_int8_gemm(x.view(1, m, k), w.qweight, w.scales.half())  # 3-D x
+    w16 = QuantizedWeight(w.qweight, w.scales.half(), None if w.mins is None else w.mins.half())
+    half = ql.quant_linear_int_gemm(x.view(1, m, k), w16.qweight, w16.scales, w16.mins)  # 3-D x
     torch.testing.assert_close(half[0], ql.reference(ql.quantize_activations(x),
-                                                     QuantizedWeight(w.qweight, w.scales.half())
-                                                     .dequantize()),
+                                                     w16.dequantize()),
                                rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
-def test_int8_gemm_refuses_other_layouts() -> None:
-    with pytest.raises(RuntimeError, match="int8 weights in groups of a multiple of 32"):
-        ql.quant_linear_int8_gemm(torch.randn(5, 64), torch.zeros(3, 64, dtype=torch.int8),
-                                  torch.ones(3, 4))  # groups of 16 (Q6_K)
-    with pytest.raises(RuntimeError, match="int8 weights"):  # fp8
-        ql.quant_linear_int8_gemm(torch.randn(5, 64), torch.zeros(3, 64).to(torch.float8_e4m3fn),
-                                  torch.ones(3, 2))
+def test_int_gemm_refuses_other_layouts() -> None:
+    with pytest.raises(RuntimeError, match="int8 or 4-bit weights in groups of a multiple"):
+        ql.quant_linear_int_gemm(torch.randn(5, 64), torch.zeros(3, 64, dtype=torch.int8),
+                                 torch.ones(3, 4))  # groups of 16 (Q6_K)
+    with pytest.raises(RuntimeError, match="int8 or 4-bit weights"):  # fp8
+        ql.quant_linear_int_gemm(torch.randn(5, 64), torch.zeros(3, 64).to(torch.float8_e4m3fn),
+                                 torch.ones(3, 2))
 
 
 @pytest.mark.parametrize("kind,k,group", [("int8", 2304, 32), ("int8", 256, 16),

@@ -23,19 +23,33 @@ def test_int8_rounds_activations_the_same_way_at_every_row_count(rows: int) -> N
     block of 32, so each row's output is the same whatever the batch around it."""
     weight = quantize_int8(float_weight())
     mm = QuantizedMatmul(weight, None)
-    assert mm.int8_gemm and mm.packed is None
+    assert mm.int_gemm and mm.packed is None
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(rows))
     ref = ql.reference(ql.quantize_activations(x), weight.dequantize())
     torch.testing.assert_close(mm(x), ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(mm(x)[:1], mm(x[:1]), rtol=1e-5, atol=1e-5)
 
 
-def test_four_bit_weights_take_float_activations_above_four_rows() -> None:
+@pytest.mark.parametrize("rows", [3, 6])
+def test_four_bit_weights_round_activations_at_every_row_count(rows: int) -> None:
     gen = torch.Generator().manual_seed(1)
     weight = QuantizedWeight(torch.randint(0, 256, (48, 64), generator=gen, dtype=torch.uint8),
-                             torch.rand(48, 4, generator=gen) * 0.01, torch.zeros(48, 4))
+                             torch.rand(48, 4, generator=gen) * 0.01,
+                             torch.randn(48, 4, generator=gen) * 0.01)
     mm = QuantizedMatmul(weight, None)
-    assert not mm.int8_gemm
+    assert mm.int_gemm
+    x = torch.randn(rows, 128, generator=gen)
+    ref = ql.reference(ql.quantize_activations(x), weight.dequantize())
+    torch.testing.assert_close(mm(x), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_other_layouts_take_float_activations_above_four_rows() -> None:
+    """fp8 (and Q6_K's groups of 16) multiply dequantized tiles: activations as they are."""
+    gen = torch.Generator().manual_seed(3)
+    codes = torch.randint(0, 0x70, (48, 128), generator=gen, dtype=torch.uint8)
+    weight = QuantizedWeight(codes.view(torch.float8_e4m3fn), torch.rand(48, 1, generator=gen))
+    mm = QuantizedMatmul(weight, None)
+    assert not mm.int_gemm
     x = torch.randn(6, 128, generator=gen)
     torch.testing.assert_close(mm(x), ql.reference(x, weight.dequantize()), rtol=1e-5,
                                atol=1e-5)

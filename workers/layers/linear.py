@@ -128,7 +128,7 @@ class Linear(nn.Module):
                 return None
             # (With FBGEMM opted in, more than 4 rows stay on the Python path that calls it.)
             return LinearWeights(q.weight.qweight, None, self._b, q.weight.scales, q.weight.mins,
-                                 int8_gemm=q.int8_gemm and q.packed is None)
+                                 int_gemm=q.int_gemm and q.packed is None)
         if not (self.small_m or self.packed is not None):
             return None
         return LinearWeights(self._w if self.small_m else EMPTY, self.packed, self._b)

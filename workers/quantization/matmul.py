@@ -4,11 +4,11 @@
   the quantized bytes once: a quarter (int8) or an eighth (4-bit) of float32's. int8 and 4-bit
   weights meet int8 activations there, per block of 32, which leaves the default model's greedy
   text as weight-only int8 has it.
-- More rows, int8 weights in groups of a multiple of 32 (per channel, Q8_0): the native int8
-  GEMM, with the same numerics (activations int8 per block of 32): ~1.5x oneDNN's float32 at
-  64 rows here. A batch's rows then round as a lone decode row does.
-- More rows, other layouts (4-bit, fp8, Q6_K's groups of 16): dequantized tiles and a float32
-  GEMM, natively, activations as they are.
+- More rows, int8 weights in groups of a multiple of 32 (per channel, Q8_0) and 4-bit ones:
+  the native integer GEMM, with the same numerics (activations int8 per block of 32): ~1.5x
+  oneDNN's float32 at 64 rows here. A batch's rows then round as a lone decode row does.
+- More rows, other layouts (fp8, Q6_K's groups of 16): dequantized tiles and a float32 GEMM,
+  natively, activations as they are.
 - More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
   u8 x s8 GEMM (`quantized::linear_dynamic`) instead, activations quantized per token to 7 bits
   (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the int8 GEMM (7 bits
@@ -44,9 +44,10 @@ def _fbgemm_pack(weight: QuantizedWeight):
     return torch.ops.quantized.linear_prepack(q, None)
 
 
-def int8_gemm_takes(weight: QuantizedWeight) -> bool:
-    """True for the weights the native int8 GEMM multiplies (int8, groups of 32k elements)."""
-    return weight.kind == "int8" and weight.group_size % 32 == 0
+def int_gemm_takes(weight: QuantizedWeight) -> bool:
+    """True for the weights the native integer GEMM multiplies: int8 in groups of a multiple of
+    32 elements (per channel, Q8_0), and 4-bit."""
+    return weight.kind in ("int8", "q4") and weight.group_size % 32 == 0
 
 
 class QuantizedMatmul:
@@ -63,8 +64,9 @@ class QuantizedMatmul:
                 self.native = False
         self.packed = (_fbgemm_pack(self.weight)
                        if self.native and envs.int8_dynamic_activations() else None)
-        # int8 in groups of a multiple of 32 (per channel, Q8_0): the int8 GEMM above SMALL_M.
-        self.int8_gemm = self.native and int8_gemm_takes(self.weight)
+        # int8 in groups of a multiple of 32 (per channel, Q8_0) and 4-bit: the integer GEMM
+        # above SMALL_M.
+        self.int_gemm = self.native and int_gemm_takes(self.weight)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
@@ -79,8 +81,8 @@ class QuantizedMatmul:
             scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
             y = torch.ops.quantized.linear_dynamic(x / scale, self.packed, True).mul_(scale)
             return y if self.bias is None else y.add_(self.bias)
-        if self.int8_gemm:
-            return native.quant_linear_int8_gemm(x, w.qweight, w.scales, self.bias)
+        if self.int_gemm:
+            return native.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins, self.bias)
         return native.quant_linear_dequant(x, w.qweight, w.scales, w.mins, self.bias)
 
     def nbytes(self) -> int:

@@ -10,8 +10,8 @@
 // output. Only for rows that are all decodes (one token each). Linears take the plain weight
 // through the small-M kernel for up to 4 rows and the oneDNN-packed one above, as
 // workers/layers/linear.py does; a quantized weight (it comes with scales) goes to the
-// quantized small-M kernel (quant_linear.cpp) up to 4 rows, and above that (int8 only) to the
-// int8 GEMM there.
+// quantized small-M kernel (quant_linear.cpp) up to 4 rows, and above that (int8 and 4-bit)
+// to the integer GEMM there.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -41,12 +41,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   static const auto quant_small_m =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
                     const OptTensor&)>("deepinfer_cpu::quant_linear_small_m");
-  static const auto int8_gemm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&)>(
-          "deepinfer_cpu::quant_linear_int8_gemm");
-  if (scales.has_value()) {  // above 4 rows only int8 weights (the GEMM checks the layout)
+  static const auto int_gemm =
+      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
+                    const OptTensor&)>("deepinfer_cpu::quant_linear_int_gemm");
+  if (scales.has_value()) {  // above 4 rows int8 / 4-bit weights only (the GEMM checks)
     return x.size(0) <= kSmallM ? quant_small_m.call(x, weight, *scales, mins, bias)
-                                : int8_gemm.call(x, weight, *scales, bias);
+                                : int_gemm.call(x, weight, *scales, mins, bias);
   }
   static const auto onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

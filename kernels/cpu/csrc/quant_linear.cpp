@@ -563,7 +563,7 @@ void run_int_small_m(const float* x, const Weights& w, const float* bias, float*
   }
 }
 
-// ---- int8 weights against int8 activations, any M: a register-blocked GEMM ----
+// ---- int8 and 4-bit weights against int8 activations, any M: a register-blocked GEMM ----
 //
 // The small-M kernel's numerics (activations int8 per block of 32, the block's integer dot
 // product scaled by activation and weight scale), arranged for many rows: a tile of 16 weight
@@ -571,21 +571,23 @@ void run_int_small_m(const float* x, const Weights& w, const float* bias, float*
 // broadcast quad of one activation row meets it in one u8 x s8 multiply-add, whose pairs a
 // second multiply-add folds into 8 int32 sums, one per column. No horizontal sums; per block
 // of 32, one conversion and one FMA per 8 columns. Int8 weights in groups of a multiple of 32
-// (per channel, GGUF Q8_0); without AVX2 the small-M kernel computes the same for any M.
+// (per channel, GGUF Q8_0) and 4-bit ones (unpacked to bytes 0..15 per tile; the min term is
+// min x the activation block's sum, one more FMA a block); without AVX2 the small-M kernel
+// computes the same for any M.
 #if defined(__AVX2__) && defined(__FMA__)
 constexpr int64_t kTileN = 16;   // output columns per tile (two vectors)
 constexpr int64_t kChunkM = 256;  // activation rows per pass over the tiles (they stay in L2)
 
-// Rows [n0, n0 + rows) of w (rows <= 16): quad p of column c at packed[p * 16 + c]; missing
-// columns are zeros. Block scales per column: wsb[b * 16 + c].
-void pack_tile(const Weights& w, int64_t n0, int64_t rows, int32_t* packed, float* wsb) {
-  const int64_t K = w.K, P = K / 4, B = K / kBlock, per_group = w.g / kBlock;
+// `rows` int8 rows of K (rows <= 16, `ld` apart): quad p of column c at packed[p * 16 + c];
+// missing columns are zeros.
+void pack_tile(const int8_t* src, int64_t ld, int64_t K, int64_t rows, int32_t* packed) {
+  const int64_t P = K / 4;
   int64_t whole = 0;  // quads moved by 8 x 8 transposes (8 columns x 8 quads at a time)
   if (rows == kTileN) {
     for (; whole + 8 <= P; whole += 8) {
       for (int64_t c0 = 0; c0 < kTileN; c0 += 8) {
         __m256i r[8];
-        for (int i = 0; i < 8; ++i) r[i] = load32(w.q + (n0 + c0 + i) * K + 4 * whole);
+        for (int i = 0; i < 8; ++i) r[i] = load32(src + (c0 + i) * ld + 4 * whole);
         // 32-bit 8 x 8 transpose: r[i] lane j (quad whole + j of column c0 + i) -> t[j] lane i
         const __m256i a0 = _mm256_unpacklo_epi32(r[0], r[1]), a1 = _mm256_unpackhi_epi32(r[0], r[1]);
         const __m256i a2 = _mm256_unpacklo_epi32(r[2], r[3]), a3 = _mm256_unpackhi_epi32(r[2], r[3]);
@@ -607,24 +609,48 @@ void pack_tile(const Weights& w, int64_t n0, int64_t rows, int32_t* packed, floa
     }
   }
   for (int64_t c = 0; c < kTileN; ++c) {
-    if (c < rows) {
-      const uint8_t* src = w.q + (n0 + c) * K;
-      for (int64_t p = whole; p < P; ++p) std::memcpy(packed + p * kTileN + c, src + 4 * p, 4);
-      for (int64_t b = 0; b < B; ++b) {
-        wsb[b * kTileN + c] = scalar(w, w.scale, (n0 + c) * w.G + b / per_group);
+    for (int64_t p = c < rows ? whole : 0; p < P; ++p) {
+      if (c < rows) {
+        std::memcpy(packed + p * kTileN + c, src + c * ld + 4 * p, 4);
+      } else {
+        packed[p * kTileN + c] = 0;
       }
-    } else {
-      for (int64_t p = 0; p < P; ++p) packed[p * kTileN + c] = 0;
-      for (int64_t b = 0; b < B; ++b) wsb[b * kTileN + c] = 0.f;
+    }
+  }
+}
+
+// The tile's weight scales per block and column, wsb[b * 16 + c], and (4-bit) its mins, wmb;
+// missing columns are zeros.
+template <Kind KD>
+void tile_scales(const Weights& w, int64_t n0, int64_t rows, float* wsb, float* wmb) {
+  const int64_t B = w.K / kBlock, per_group = w.g / kBlock;
+  for (int64_t c = 0; c < kTileN; ++c) {
+    for (int64_t b = 0; b < B; ++b) {
+      const int64_t i = (n0 + c) * w.G + b / per_group;
+      wsb[b * kTileN + c] = c < rows ? scalar(w, w.scale, i) : 0.f;
+      if constexpr (KD == Kind::kQ4) wmb[b * kTileN + c] = c < rows ? scalar(w, w.min, i) : 0.f;
+    }
+  }
+}
+
+// 4-bit rows [n0, n0 + rows) as int8 values 0..15, in element order, into out[rows, K].
+void unpack_q4_rows(const Weights& w, int64_t n0, int64_t rows, int8_t* out) {
+  const int64_t K = w.K;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = w.q + (n0 + r) * (K / 2);
+    for (int64_t k = 0; k < K; k += kBlock) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + r * K + k), q4_bytes(src + k / 2));
     }
   }
 }
 
 // y[m, c] for MR activation rows against one packed tile (cols <= 16 columns written).
 template <int MR>
-inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd, int64_t K,
-                      int64_t B, const int32_t* __restrict packed, const float* __restrict wsb,
-                      const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
+inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd,
+                      const float* __restrict xs, int64_t K, int64_t B,
+                      const int32_t* __restrict packed, const float* __restrict wsb,
+                      const float* __restrict wmb, const float* bias, float* __restrict y,
+                      int64_t ldy, int64_t cols) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 accf[MR][2];
 #pragma GCC unroll 8
@@ -656,6 +682,11 @@ inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd, i
       const __m256 d = _mm256_broadcast_ss(xd + m * B + b);
       accf[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][0]), _mm256_mul_ps(s0, d), accf[m][0]);
       accf[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), _mm256_mul_ps(s1, d), accf[m][1]);
+      if (wmb != nullptr) {  // 4-bit: min x the activation block's sum
+        const __m256 sum = _mm256_broadcast_ss(xs + m * B + b);
+        accf[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(wmb + b * kTileN), sum, accf[m][0]);
+        accf[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(wmb + b * kTileN + 8), sum, accf[m][1]);
+      }
     }
   }
   if (cols == kTileN) {  // a whole tile: two vector stores a row
@@ -676,24 +707,33 @@ inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd, i
   }
 }
 
-void run_int8_gemm(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
-                   int64_t N) {
+template <Kind KD>
+void run_int_gemm(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+                  int64_t N) {
   const int64_t K = w.K, B = K / kBlock, tiles = (N + kTileN - 1) / kTileN;
   for (int64_t m0 = 0; m0 < M; m0 += kChunkM) {
     const int64_t mc = std::min(kChunkM, M - m0);
     const QuantX xq = quantize_x(x + m0 * K, mc, K);
     at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
       std::vector<int32_t> packed(K / 4 * kTileN);
-      std::vector<float> wsb(B * kTileN);
+      std::vector<float> wsb(B * kTileN), wmb(KD == Kind::kQ4 ? B * kTileN : 0);
+      std::vector<int8_t> unpacked(KD == Kind::kQ4 ? kTileN * K : 0);
       for (int64_t t = t0; t < t1; ++t) {
         const int64_t n0 = t * kTileN, cols = std::min(kTileN, N - n0);
-        pack_tile(w, n0, cols, packed.data(), wsb.data());
+        if constexpr (KD == Kind::kQ4) {
+          unpack_q4_rows(w, n0, cols, unpacked.data());
+          pack_tile(unpacked.data(), K, K, cols, packed.data());
+        } else {
+          pack_tile(reinterpret_cast<const int8_t*>(w.q) + n0 * K, K, K, cols, packed.data());
+        }
+        tile_scales<KD>(w, n0, cols, wsb.data(), wmb.data());
         const float* bt = bias != nullptr ? bias + n0 : nullptr;
         int64_t m = 0;
         auto rows = [&](auto mr) {
           constexpr int MR = decltype(mr)::value;
-          gemm_rows<MR>(xq.q.data() + m * K, xq.scale.data() + m * B, K, B, packed.data(),
-                        wsb.data(), bt, y + (m0 + m) * N + n0, N, cols);
+          gemm_rows<MR>(xq.q.data() + m * K, xq.scale.data() + m * B, xq.sum.data() + m * B, K,
+                        B, packed.data(), wsb.data(), KD == Kind::kQ4 ? wmb.data() : nullptr, bt,
+                        y + (m0 + m) * N + n0, N, cols);
           m += MR;
         };
         while (m + 4 <= mc) rows(std::integral_constant<int, 4>{});
@@ -703,9 +743,10 @@ void run_int8_gemm(const float* x, const Weights& w, const float* bias, float* y
   }
 }
 #else
-void run_int8_gemm(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
-                   int64_t N) {
-  run_int_small_m<Kind::kInt8>(x, w, bias, y, M, N);
+template <Kind KD>
+void run_int_gemm(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
+                  int64_t N) {
+  run_int_small_m<KD>(x, w, bias, y, M, N);
 }
 #endif
 
@@ -828,14 +869,20 @@ at::Tensor quant_linear_small_m(const at::Tensor& x, const at::Tensor& qweight,
   return p.y;
 }
 
-at::Tensor quant_linear_int8_gemm(const at::Tensor& x, const at::Tensor& qweight,
-                                  const at::Tensor& scales, const std::optional<at::Tensor>& bias) {
-  Prepared p = prepare(x, qweight, scales, std::nullopt, bias);
-  TORCH_CHECK(p.kind == Kind::kInt8 && p.w.g % kBlock == 0,
-              "quant_linear_int8_gemm: int8 weights in groups of a multiple of 32 only");
+at::Tensor quant_linear_int_gemm(const at::Tensor& x, const at::Tensor& qweight,
+                                 const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                                 const std::optional<at::Tensor>& bias) {
+  Prepared p = prepare(x, qweight, scales, mins, bias);
+  TORCH_CHECK(p.kind != Kind::kFp8 && p.w.g % kBlock == 0,
+              "quant_linear_int_gemm: int8 or 4-bit weights in groups of a multiple of 32 only");
   if (p.M == 0 || p.N == 0) return p.y;
-  run_int8_gemm(p.x.data_ptr<float>(), p.w, p.bias.defined() ? p.bias.data_ptr<float>() : nullptr,
-                p.y.data_ptr<float>(), p.M, p.N);
+  const float* xp = p.x.data_ptr<float>();
+  const float* bp = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
+  if (p.kind == Kind::kQ4) {
+    run_int_gemm<Kind::kQ4>(xp, p.w, bp, p.y.data_ptr<float>(), p.M, p.N);
+  } else {
+    run_int_gemm<Kind::kInt8>(xp, p.w, bp, p.y.data_ptr<float>(), p.M, p.N);
+  }
   return p.y;
 }
 
@@ -862,12 +909,12 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "Tensor? bias=None) -> Tensor");
   m.def("quant_linear_dequant(Tensor x, Tensor qweight, Tensor scales, Tensor? mins=None, "
         "Tensor? bias=None) -> Tensor");
-  m.def("quant_linear_int8_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? bias=None) "
-        "-> Tensor");
+  m.def("quant_linear_int_gemm(Tensor x, Tensor qweight, Tensor scales, Tensor? mins=None, "
+        "Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("quant_linear_small_m", &quant_linear_small_m);
   m.impl("quant_linear_dequant", &quant_linear_dequant);
-  m.impl("quant_linear_int8_gemm", &quant_linear_int8_gemm);
+  m.impl("quant_linear_int_gemm", &quant_linear_int_gemm);
 }
