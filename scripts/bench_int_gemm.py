@@ -1,0 +1,69 @@
+"""The default model's 120 layer linears at M rows: the integer GEMM, dequantized tiles, oneDNN.
+
+Kernel level, one process, the three alternating (this VM drifts from minute to minute):
+
+* int GEMM   - `quant_linear_int_gemm`, int8 weights per output channel (random, the model's
+               shapes), activations int8 per block of 32
+* dequant    - `quant_linear_dequant`, the same weights through dequantized tiles + float32 GEMM
+* oneDNN     - float32 weights packed for oneDNN, what the float32 model runs
+
+    .venv/bin/python scripts/bench_int_gemm.py --rows 64 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from kernels.cpu import quant_linear as ql  # noqa: E402
+
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # SmolLM2-135M's layers
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[64, 256])
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    if not ql.available(torch.empty(1)):
+        print(f"native kernels unavailable: {ql.build_error()}")
+        return 1
+    gen = torch.Generator().manual_seed(0)
+    int8 = [(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
+             torch.rand(n, 1, generator=gen) * 0.01) for n, k in SHAPES]
+    packed = [torch.ops.mkldnn._reorder_linear_weight(q.float() * s, 64) for q, s in int8]
+    for rows in args.rows:
+        xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
+        runs = {
+            "int GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[q.shape[1]], q, s)
+                                       for q, s in int8],
+            "dequant": lambda xs=xs: [ql.quant_linear_dequant(xs[q.shape[1]], q, s)
+                                      for q, s in int8],
+            "oneDNN": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(
+                xs[k], w, None, "none", [], "") for w, (_, k) in zip(packed, SHAPES)],
+        }
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for run in runs.values():
+            run()  # warm up
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                times[name].append(time.perf_counter() - start)
+        ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+        print(f"{rows} rows: " + ", ".join(f"{name} {v:.1f} ms" for name, v in ms.items())
+              + f"; oneDNN / int GEMM {ms['oneDNN'] / ms['int GEMM']:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
