@@ -188,7 +188,7 @@ class LlamaModel(nn.Module):
     def _fast_path(self, rows: int, metas: list[AttentionMetadata]) -> bool:
         if not self.fast_layers or any(m.decode_rows is None or m.prefills for m in metas):
             return False
-        # A linear kept without its packed copy (or a quantized one the int8 GEMM does not
+        # A linear kept without its packed copy (or a quantized one the integer GEMM does not
         # take) goes to F.linear or dequantized tiles above SMALL_M rows.
         return rows <= SMALL_M or all(w.takes_any_rows() for w in self.fast_layers)
 

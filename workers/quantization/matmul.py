@@ -11,7 +11,7 @@
   natively, activations as they are.
 - More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
   u8 x s8 GEMM (`quantized::linear_dynamic`) instead, activations quantized per token to 7 bits
-  (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the int8 GEMM (7 bits
+  (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the integer GEMM (7 bits
   let it add pairs before widening), but coarser, which moves the default model's greedy text
   within a few tokens; so it is opt-in. FBGEMM keeps its own packed copy of the int8 weight.
 - Without the native kernels (no compiler, another device): the dequantized weight and F.linear.
