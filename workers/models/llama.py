@@ -174,23 +174,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
         self.fast_layers: list[DecodeLayerWeights] | None = None  # set by finalize()
+        self.fast_any_rows = False  # ... and whether they take more than SMALL_M rows
 
     def finalize(self) -> None:
         """After the layers' own finalize: use the one-call native decode layer when every
         layer fits it."""
-        self.fast_layers = None
+        self.fast_layers, self.fast_any_rows = None, False
         if not cpu_decode_layer.available(self.embed_tokens.weight):
             return
         fast = [layer.decode_weights() for layer in self.layers]
         if all(w is not None for w in fast):
             self.fast_layers = fast
+            # A linear kept without its packed copy (or a quantized one the integer GEMM does
+            # not take) goes to F.linear or dequantized tiles above SMALL_M rows.
+            self.fast_any_rows = all(w.takes_any_rows() for w in fast)
 
     def _fast_path(self, rows: int, metas: list[AttentionMetadata]) -> bool:
         if not self.fast_layers or any(m.decode_rows is None or m.prefills for m in metas):
             return False
-        # A linear kept without its packed copy (or a quantized one the integer GEMM does not
-        # take) goes to F.linear or dequantized tiles above SMALL_M rows.
-        return rows <= SMALL_M or all(w.takes_any_rows() for w in self.fast_layers)
+        return rows <= SMALL_M or self.fast_any_rows
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         x, residual = self.embed_tokens(input_ids), None
