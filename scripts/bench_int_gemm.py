@@ -1,9 +1,11 @@
 """The default model's 120 layer linears at M rows: the integer GEMM, dequantized tiles, oneDNN.
 
-Kernel level, one process, the three alternating (this VM drifts from minute to minute):
+Kernel level, one process, the four alternating (this VM drifts from minute to minute):
 
 * int GEMM   - `quant_linear_int_gemm`, int8 weights per output channel (random, the model's
                shapes), activations int8 per block of 32
+* 4-bit GEMM - the same kernel on 4-bit weights in groups of 32 with scales and mins (Q4_1's
+               layout, as the shipped GGUF serves)
 * dequant    - `quant_linear_dequant`, the same weights through dequantized tiles + float32 GEMM
 * oneDNN     - float32 weights packed for oneDNN, what the float32 model runs
 
@@ -40,12 +42,17 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     int8 = [(torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8),
              torch.rand(n, 1, generator=gen) * 0.01) for n, k in SHAPES]
+    q4 = [(torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8),
+           torch.rand(n, k // 32, generator=gen) * 0.01,
+           torch.rand(n, k // 32, generator=gen) * 0.01) for n, k in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(q.float() * s, 64) for q, s in int8]
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         runs = {
             "int GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[q.shape[1]], q, s)
                                        for q, s in int8],
+            "4-bit GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[2 * q.shape[1]], q, s, m)
+                                         for q, s, m in q4],
             "dequant": lambda xs=xs: [ql.quant_linear_dequant(xs[q.shape[1]], q, s)
                                       for q, s in int8],
             "oneDNN": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(
@@ -61,7 +68,8 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.perf_counter() - start)
         ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
         print(f"{rows} rows: " + ", ".join(f"{name} {v:.1f} ms" for name, v in ms.items())
-              + f"; oneDNN / int GEMM {ms['oneDNN'] / ms['int GEMM']:.2f}x")
+              + f"; oneDNN / int GEMM {ms['oneDNN'] / ms['int GEMM']:.2f}x"
+              + f", oneDNN / 4-bit GEMM {ms['oneDNN'] / ms['4-bit GEMM']:.2f}x")
     return 0
 
 
