@@ -569,7 +569,8 @@ void run_int_small_m(const float* x, const Weights& w, const float* bias, float*
 // product scaled by activation and weight scale), arranged for many rows: a tile of 16 weight
 // rows is repacked so that one 32-byte vector holds 4 consecutive k of 8 output columns; a
 // broadcast quad of one activation row meets it in one u8 x s8 multiply-add, whose pairs a
-// second multiply-add folds into 8 int32 sums, one per column. No horizontal sums; per block
+// second multiply-add folds into 8 int32 sums, one per column (4-bit: once a block, after its 8
+// quads summed in 16 bits; see gemm_rows). No horizontal sums; per block
 // of 32, one conversion and one FMA per 8 columns. Int8 weights in groups of a multiple of 32
 // (per channel, GGUF Q8_0) and 4-bit ones (unpacked to bytes 0..15 per tile; the min term is
 // min x the activation block's sum, one more FMA a block); without AVX2 the small-M kernel
