@@ -88,6 +88,22 @@ def test_int_gemm_matches_reference(kind: str, k: int, group: int, m: int, n: in
                                rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
+def test_int_gemm_extremes_do_not_overflow(sign: float) -> None:
+    """The largest sums the GEMM keeps in 16 bits: 4-bit weights all 15 against activations all
+    +-127 (a block's 8 quads: 16 products of 15 x 127 each lane), int8 weights all -128 (|w| 128)
+    against them (a pair: 2 x 128 x 127)."""
+    x = torch.full((7, 64), sign)  # every block rounds to +-127
+    q4 = QuantizedWeight(torch.full((16, 32), 0xFF, dtype=torch.uint8), torch.ones(16, 2),
+                         torch.zeros(16, 2))
+    i8 = QuantizedWeight(torch.full((16, 64), -128, dtype=torch.int8), torch.ones(16, 1))
+    for w in (q4, i8):
+        out = ql.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins)
+        ref = ql.reference(ql.quantize_activations(x), w.dequantize())
+        assert ref.abs().min() > 900  # 64 x 15 or 64 x 128: the extremes were reached
+        torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+
+
 def test_int_gemm_refuses_other_layouts() -> None:
     with pytest.raises(RuntimeError, match="int8 or 4-bit weights in groups of a multiple"):
         ql.quant_linear_int_gemm(torch.randn(5, 64), torch.zeros(3, 64, dtype=torch.int8),
