@@ -30,6 +30,36 @@ NEG = tl.constexpr(-1.0e30)  # a finite "minus infinity": exp(NEG - NEG) is 1, n
 
 
 @triton.jit
+def online_softmax_step(s, m, denom):
+    """A block of scores s [rows, N] into each row's running max m and sum denom: returns the
+    new max, the factor the old sum and output scale by, the block's weights, the new sum."""
+    m_new = tl.maximum(m, tl.max(s, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(s - m_new[:, None])
+    return m_new, alpha, p, denom * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
+def split_range(lo, hi, split, num_splits, BLOCK_N: tl.constexpr):
+    """This split's share [start, end) of the keys [lo, hi), whole BLOCK_N blocks each."""
+    lo = tl.maximum(lo, 0)
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
+    start = lo + split * per_split
+    return start, tl.minimum(start + per_split, hi)
+
+
+@triton.jit
+def key_block(tables_ptr, n0, end, block_size, BLOCK_N: tl.constexpr):
+    """Positions [n0, n0 + BLOCK_N) of a row (tables_ptr: its table): which are keys to read
+    (below end, in a block not freed) and each one's cache block, int64."""
+    pos = n0 + tl.arange(0, BLOCK_N)
+    valid = pos < end
+    block = tl.load(tables_ptr + pos // block_size, mask=valid, other=-1)
+    valid &= block >= 0  # a freed block is never read, whatever the range says
+    return pos, valid, block.to(tl.int64)
+
+
+@triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lo_ptr, hi_ptr, po_ptr, pm_ptr,
                          pl_ptr, scale, q_row, q_head, table_row, c_block, c_slot, c_head,
                          block_size, window, group, dim, num_splits, PRECISION: tl.constexpr,
@@ -40,10 +70,7 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lo_ptr, hi_ptr, po_ptr
     lo = tl.load(lo_ptr + b).to(tl.int32)
     hi = tl.load(hi_ptr + b).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(lo, hi - window), lo)
-    lo = tl.maximum(lo, 0)
-    per_split = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), num_splits), BLOCK_N) * BLOCK_N
-    start = lo + split * per_split
-    end = tl.minimum(start + per_split, hi)
+    start, end = split_range(lo, hi, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -55,22 +82,15 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lo_ptr, hi_ptr, po_ptr
     denom = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
     for n0 in range(start, end, BLOCK_N):
-        pos = n0 + tl.arange(0, BLOCK_N)
-        valid = pos < end
-        block = tl.load(tables_ptr + b * table_row + pos // block_size, mask=valid, other=-1)
-        valid &= block >= 0  # a freed block is never read, whatever the range says
-        row = block.to(tl.int64) * c_block + (pos % block_size) * c_slot + kvh * c_head
+        pos, valid, block = key_block(tables_ptr + b * table_row, n0, end, block_size, BLOCK_N)
+        row = block * c_block + (pos % block_size) * c_slot + kvh * c_head
         nd_mask = valid[:, None] & (d < dim)[None, :]
         k = tl.load(k_ptr + row[:, None] + d[None, :], mask=nd_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G, N] float32
         s = tl.where(valid[None, :], s, float("-inf"))
-        m_new = tl.maximum(m, tl.max(s, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(s - m_new[:, None])
+        m, alpha, p, denom = online_softmax_step(s, m, denom)
         v = tl.load(v_ptr + row[:, None] + d[None, :], mask=nd_mask, other=0.0)
-        denom = denom * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
     part = (b * group * tl.num_programs(1) + heads) * num_splits + split  # [B, H, S] index
     g_mask = g < group
     tl.store(pm_ptr + part, m, mask=g_mask)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.decode_attention import NEG, attend_ref
+from kernels.triton.decode_attention import NEG, attend_ref, online_softmax_step
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 
@@ -69,13 +69,9 @@ def _prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tables_ptr, start_ptr, len_ptr
                    & (k_pos[None, :] >= lo)
                    & ((window <= 0) | (k_pos[None, :] > q_pos[:, None] - window)))
         scores = tl.where(visible, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
+        m, alpha, p, denom = online_softmax_step(scores, m, denom)
         v = tl.load(v_ptr + k_row[:, None] + d[None, :], mask=kd_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m = m_new
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32)
         m_all = tl.maximum(m, sink)

@@ -9,7 +9,8 @@ k_h = [W_UK_h c, k_r] and v_h = W_UV_h c, with W_UK, W_UV the two halves of kv_b
 - Decode rows attend in the latent space instead (the absorbed weights): q_h's no-rope part is
   turned into the latent space once, q'_h = W_UK_h^T q_h, so the scores are q'_h . c + q_r . k_r,
   the output is W_UV_h (sum_j p_j c_j). Per key that reads kv_lora_rank + rope floats instead
-  of expanding a key and a value for every head.
+  of expanding a key and a value for every head. With the Triton backend's metadata (a GPU)
+  that attention is one kernel launch (kernels/triton/mla_decode.py).
 Both compute the same attention; the tests hold them to HF's expanded reference.
 """
 
@@ -20,6 +21,7 @@ import torch.nn.functional as F
 
 from workers.attention.metadata import AttentionMetadata
 from workers.attention.torch_backend import gather_blocks
+from workers.attention.triton_backend import TritonMetadata
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, rope_cache: torch.Tensor,
@@ -53,6 +55,13 @@ def _decode_absorbed(q_nope, q_rope, rope_cache, latent_cache, meta: AttentionMe
                      w_uk, w_uv, scale: float) -> torch.Tensor:
     batch = q_nope.shape[0]
     q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)
+    if isinstance(meta, TritonMetadata):  # the device's tables and key ranges, one launch
+        from kernels.triton.mla_decode import mla_decode_attention
+
+        o = mla_decode_attention(q_latent.contiguous(), q_rope.contiguous(), latent_cache,
+                                 rope_cache, meta.decode_tables, meta.decode_lo_dev,
+                                 meta.decode_hi_dev, scale)  # [B, H, L]
+        return torch.einsum("bhl,hvl->bhv", o, w_uv)
     latent = gather_blocks(latent_cache, meta.decode_blocks, batch)  # [B, 1, keys, L]
     k_rope = gather_blocks(rope_cache, meta.decode_blocks, batch)  # [B, 1, keys, R]
     q = torch.cat([q_latent, q_rope], dim=-1).unsqueeze(2)  # [B, H, 1, L + R]

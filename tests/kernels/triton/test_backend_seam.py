@@ -61,3 +61,40 @@ def test_cuda_devices_select_the_triton_backend() -> None:
     backend = select_backend("cuda:1", torch.float16)
     assert isinstance(backend, TritonAttention) and backend.device == torch.device("cuda:1")
     assert not isinstance(select_backend("cpu", torch.float32), TritonAttention)
+
+
+@pytest.mark.parametrize("plan_name", list(PLANS))
+def test_mla_with_triton_metadata_matches_torch(plan_name: str, monkeypatch) -> None:
+    """workers/attention/mla.py: with the Triton backend's metadata, the decode rows attend
+    through kernels/triton/mla_decode.py; the result is the torch path's (prefill chunks take
+    the same expanded path under either)."""
+    from kernels.triton import mla_decode
+    from workers.attention.mla import mla_attention
+
+    launches = []
+    kernel = mla_decode.mla_decode_attention
+    monkeypatch.setattr(mla_decode, "mla_decode_attention",
+                        lambda *a, **k: launches.append(a[0].shape) or kernel(*a, **k))
+
+    gen = torch.Generator().manual_seed(1)
+    bs, heads, nope, rope, latent, v_dim, num_blocks = 4, 3, 8, 16, 32, 8, 48
+    rng = np.random.default_rng(1)
+    free = list(rng.permutation(num_blocks))
+    slices = [SeqSlice(np.array([free.pop() for _ in range((start + n - 1) // bs + 1)],
+                                dtype=np.int32), start, n, write_from=write_from,
+                       key_from=key_from, verify=verify)
+              for start, n, verify, key_from, write_from in PLANS[plan_name]]
+    meta = AttentionMetadata.build(slices, bs, None)
+    tokens = sum(s.num_tokens for s in slices)
+    rope_cache = torch.randn(num_blocks, bs, 1, rope, generator=gen)
+    latent_cache = torch.randn(num_blocks, bs, 1, latent, generator=gen)
+    q_nope = torch.randn(tokens, heads, nope, generator=gen)
+    q_rope = torch.randn(tokens, heads, rope, generator=gen)
+    kv_b = torch.randn(heads * (nope + v_dim), latent, generator=gen) * 0.2
+    scale = (nope + rope) ** -0.5
+    ref = mla_attention(q_nope, q_rope, rope_cache, latent_cache, meta, kv_b, v_dim, scale)
+    own = TritonAttention(DEVICE).build_metadata(slices, bs, None)
+    out = mla_attention(*(t.to(DEVICE) for t in (q_nope, q_rope, rope_cache, latent_cache)),
+                        own, kv_b.to(DEVICE), v_dim, scale)
+    check("mla backend", out, ref, 1e-4)
+    assert launches == [(len(meta.decode_rows), heads, latent)]  # one launch, every decode row

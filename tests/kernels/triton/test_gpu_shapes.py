@@ -14,6 +14,7 @@ from kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_ref
 from kernels.triton.silu_mul import silu_and_mul, silu_and_mul_ref
 from tests.kernels.triton.device import DTYPES, ON_GPU, check, scaled, tolerance
 from tests.kernels.triton.paged_cases import free_below, make_cache
+from tests.kernels.triton.test_mla_decode import run_case as run_mla_case
 
 pytestmark = pytest.mark.skipif(not ON_GPU, reason="model-sized shapes run on the GPU only")
 
@@ -81,3 +82,11 @@ def test_prefill_long_chunks(dtype: torch.dtype, window: int | None) -> None:
     ref = prefill_attention_ref(q.float(), cache.k.float(), cache.v.float(), cache.tables,
                                 starts, q_len, pos0, lo, 128 ** -0.5, window=window)
     check("prefill_attention", out, ref, tolerance(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch,max_keys", [(1, 4096), (16, 700)])
+def test_mla_decode_deepseek_v3_shapes(dtype: torch.dtype, batch: int, max_keys: int) -> None:
+    """DeepSeek-V3's latent attention: 128 heads, a 512-wide latent and a 64-wide rope key."""
+    run_mla_case(dtype, heads=128, latent=512, rope=64, num_splits=None, seed=batch,
+                 batch=batch, block_size=16, max_keys=max_keys)
