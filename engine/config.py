@@ -19,7 +19,7 @@ from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
-           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS"]
+           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS", "DEVICES"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
@@ -28,6 +28,9 @@ KV_TRANSFER_BACKENDS = ("zmq", "nixl")
 # --quantization: weights as stored (none: float, dequantizing a quantized checkpoint), int8
 # (weight-only, per output channel, quantized at load) or fp8 (e4m3, 128 x 128 block scales).
 QUANTIZATIONS = ("none", "int8", "fp8")
+# --device: where the workers compute. auto: a CUDA GPU per rank when torch sees one, else the
+# CPU (workers/device.py resolves it in each worker, the only processes that import torch).
+DEVICES = ("auto", "cpu", "cuda")
 # What `pip install 'deepinfer[nixl]'` (nixl-cu12) or `pip install nixl` (both) put in place.
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -78,6 +81,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Plan step N+1 while the workers compute step N (see engine/scheduler_process.py).
     overlap_scheduling: bool = True
     seed: int = 0
+    device: str = "auto"  # DEVICES
     worker_threads: int | None = None
     # Copies of each linear weight on CPU: both (fastest at every batch size, 2x memory),
     # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while
@@ -163,6 +167,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _require(self.quantization in (None, "none") or self.dtype == "float32",
                  f"--quantization {self.quantization} computes in float32 (not --dtype "
                  f"{self.dtype})")
+
+    def check_device(self) -> None:
+        """Raise ModelConfigError, naming the flag, for a device that cannot run this config.
+
+        Values only: whether CUDA is there is the workers' to find out (workers/device.py).
+        The CUDA path runs float weights with the Triton attention backend; what it does not
+        take yet is refused here when --device cuda says so, and by the worker under auto."""
+        _require(self.device in DEVICES,
+                 f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
+        if self.device == "cuda":
+            for problem in self.cpu_only_features():
+                raise ModelConfigError(f"--device cuda: {problem}")
+
+    def cpu_only_features(self) -> list[str]:
+        """The settings that run on CPU workers only so far, each as a sentence."""
+        out = []
+        if self.quantization in ("int8", "fp8"):
+            out.append(f"--quantization {self.quantization} runs on CPU workers only so far")
+        if self.speculative_method in ("draft", "mtp"):
+            out.append(f"--speculative-method {self.speculative_method} runs on CPU workers "
+                       "only so far (ngram works on either)")
+        if self.disaggregation_mode != "none":
+            out.append("--disaggregation-mode runs on CPU workers only so far")
+        return out
 
     def check_disaggregation(self) -> None:
         """Raise ModelConfigError, naming the flag, for unusable disaggregation settings."""

@@ -13,6 +13,7 @@ import sys
 from engine import model_store
 from engine.config import (
     DEFAULT_MODEL_NAME,
+    DEVICES,
     DISAGGREGATION_MODES,
     KV_TRANSFER_BACKENDS,
     MAX_SPECULATIVE_TOKENS,
@@ -46,6 +47,8 @@ _ENGINE_ARGS = [
     ("--swa-replay", str, "sliding-window rebuild after a prefix hit: window (W tokens) or exact"),
     ("--swa-snapshot-interval", int, "keep a sliding-window snapshot every this many prompt "
      "tokens (default: the window W; 0: only where prompts and requests end)"),
+    ("--device", str, "where the workers compute: auto (a CUDA GPU per rank when torch sees "
+     "one, else the CPU; default), cpu, cuda"),
     ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
     ("--cpu-linear-weights", str, "copies of each linear weight on CPU: both (fastest, 2x "
      "memory), packed, plain, or auto (both while cheap, default)"),
@@ -79,6 +82,7 @@ _ENGINE_ARGS = [
 ]
 # Flags whose values argparse checks (a typo is refused before anything starts).
 _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
+                   "--device": DEVICES,
                    "--quantization": QUANTIZATIONS,
                    "--disaggregation-mode": DISAGGREGATION_MODES,
                    "--kv-transfer-backend": KV_TRANSFER_BACKENDS}

@@ -36,11 +36,15 @@ FP8_SCALE = "_scale_inv"  # an fp8 weight's block scales: `X.weight` -> `X.weigh
 
 def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "auto",
                attention: AttentionBackend | None = None, cls: type | None = None,
-               quantization: str | None = None) -> nn.Module:
+               quantization: str | None = None, device: torch.device | None = None
+               ) -> nn.Module:
     """The model with its weights, ready to run: packed, fused paths chosen. `weight_copies`:
     which copies of each linear weight to keep on CPU (workers/layers/linear.py); `cls`: another
     module built from the same checkpoint (default: the architecture's model); `quantization`:
-    the linears' weights (engine/config.py QUANTIZATIONS; None: as the checkpoint has them)."""
+    the linears' weights (engine/config.py QUANTIZATIONS; None: as the checkpoint has them);
+    `device`: where it runs (default the CPU). The weights load on the host and move before
+    the layers settle their paths, so each picks by where its tensors are (the native CPU ops
+    only on the CPU)."""
     cfg = ModelConfig.from_dir(model_dir)
     cls = cls or model_class(cfg.architecture)
     torch_dtype = DTYPES[dtype]
@@ -51,6 +55,15 @@ def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "aut
         if hasattr(module, "after_load"):
             module.after_load()
     model.to(torch_dtype)
+    if device is not None and device.type != "cpu":
+        quantized = [name for name, m in model.named_modules()
+                     if getattr(m, "quantized_parts", None)
+                     or getattr(m, "quantized", None) is not None]
+        if quantized:
+            raise ValueError(f"{model_dir} keeps quantized weights ({quantized[0]}, ...), which "
+                             f"run on CPU workers only so far: --device cpu, or a float "
+                             f"checkpoint on {device.type}")
+        model.to(device)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     copies = resolve_weight_copies(weight_copies, sum(
         m.weight.numel() * m.weight.element_size() for m in linears))

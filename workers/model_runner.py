@@ -37,14 +37,17 @@ from workers.structured.masks import MaskedRows, accept, allowed_drafts, fill_bi
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+        """`device`: where the model, the KV cache and the forward live (workers/device.py;
+        default the CPU). Sampling stays on the host: a GPU's logits come over once a step."""
         self.config = config
+        self.device = device = device or torch.device("cpu")
         dtype = DTYPES[config.dtype]
         # Chosen now, so the native kernel builds (or loads) at start, not in the first step.
-        self.attention = select_backend("cpu", dtype)
+        self.attention = select_backend(device, dtype)
         self.model = load_model(config.resolved_model_dir(), config.dtype,
                                 config.cpu_linear_weights, self.attention,
-                                quantization=config.quantization)
+                                quantization=config.quantization, device=device)
         spec = config.kv_cache_spec()
         self.groups = [g.kind for g in spec.groups()]
         self.windows = [g.window for g in spec.groups()]
@@ -60,7 +63,7 @@ class ModelRunner:
         full = spec.layers_of(FULL)
         self.connector = HostTierWorker(
             [self.kv_caches[i] for i in full],
-            [self._kv_pair(host_blocks, spec.layers[i], dtype) for i in full]
+            [self._kv_pair(host_blocks, spec.layers[i], dtype, host=True) for i in full]
         ) if host_blocks else None
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
@@ -90,14 +93,18 @@ class ModelRunner:
         """Start compiling a request's grammar off the step loop; `on_ready` follows."""
         self.grammars.submit(msg.request_id, msg.grammar, on_ready)
 
-    def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype
+    def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype, host: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's cache on the device, or (`host`) the host tier's: pinned beside a GPU,
+        so its copies to and from the device run asynchronously."""
         k, v = layer.entry_shapes()
         if layer.entry == KV and self.tp.world > 1:
             heads = self.tp.kv_heads(layer.num_kv_heads)[1]
             k, v = (heads, k[1]), (heads, v[1])
-        return (torch.zeros((blocks, self.block_size, *k), dtype=dtype),
-                torch.zeros((blocks, self.block_size, *v), dtype=dtype))
+        on_gpu = self.device.type == "cuda"
+        where = {"device": "cpu", "pin_memory": on_gpu} if host else {"device": self.device}
+        return (torch.zeros((blocks, self.block_size, *k), dtype=dtype, **where),
+                torch.zeros((blocks, self.block_size, *v), dtype=dtype, **where))
 
     def _update_states(self, plan: StepPlan) -> None:
         if self.connector is not None:
@@ -147,7 +154,9 @@ class ModelRunner:
     def _run(self, batch: StepBatch) -> torch.Tensor:
         metas = [self.attention.build_metadata(sl, self.block_size, w)
                  for sl, w in zip(batch.slices, self.windows)]
-        return self.model(batch.input_ids, batch.positions, self.kv_caches, metas)
+        dev = self.device  # (a no-op on the CPU)
+        return self.model(batch.input_ids.to(dev, non_blocking=True),
+                          batch.positions.to(dev, non_blocking=True), self.kv_caches, metas)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -171,7 +180,7 @@ class ModelRunner:
             index += range(r.verify_row, r.verify_row + 1 + (len(r.draft.tokens) if r.draft
                                                                else 0))
             r.logit_row = first
-        logits = self.model.compute_logits(hidden[torch.tensor(index)])
+        logits = self.model.compute_logits(hidden[torch.tensor(index)]).cpu()  # host sampling
         t1 = time.perf_counter()
         if self.group.rank == 0:  # samples; the other ranks take its tokens
             self._constrain(logits, sampled)
@@ -189,17 +198,19 @@ class ModelRunner:
         request states, overlap placeholders and grammar matchers follow it)."""
         if self.group.world == 1:
             return new
+        dev = self.device  # NCCL moves device tensors only
         if self.group.rank == 0:
             data = torch.tensor([len(t) for t, _ in new] + [x for t, _ in new for x in t],
-                                dtype=torch.int64)
-            size = torch.tensor([len(data)], dtype=torch.int64)
+                                dtype=torch.int64, device=dev)
+            size = torch.tensor([len(data)], dtype=torch.int64, device=dev)
         else:
-            size = torch.zeros(1, dtype=torch.int64)
+            size = torch.zeros(1, dtype=torch.int64, device=dev)
         self.group.broadcast(size)
         if self.group.rank == 0:
             self.group.broadcast(data)
             return new
-        data = self.group.broadcast(torch.empty(int(size), dtype=torch.int64)).tolist()
+        data = self.group.broadcast(torch.empty(int(size), dtype=torch.int64,
+                                                device=dev)).tolist()
         out, pos = [], count
         for n in data[:count]:
             out.append((data[pos: pos + n], [None] * n))

@@ -31,13 +31,17 @@ def _threads(ctx: ChildContext) -> int:
 
 
 def main(ctx: ChildContext) -> None:
+    from workers.device import resolve_device
     from workers.distributed.parallel_state import init_tensor_parallel
     from workers.model_runner import ModelRunner
 
     torch.set_num_threads(_threads(ctx))
+    device = resolve_device(ctx.config, ctx.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init,
-                         ctx.config.enable_expert_parallel)
-    runner = ModelRunner(ctx.config)
+                         ctx.config.enable_expert_parallel, device)
+    runner = ModelRunner(ctx.config, device)
     inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
     decode = msgspec.msgpack.Decoder(WorkerInbound).decode
@@ -50,8 +54,8 @@ def main(ctx: ChildContext) -> None:
                                            ctx.endpoints.scheduler_in)
         if runner.transfer.address:
             info["kv_transfer"] = runner.transfer.address
-    log.info("rank %d ready: %d KV blocks, %d threads", ctx.rank, runner.num_blocks,
-             torch.get_num_threads())
+    log.info("rank %d ready on %s: %d KV blocks, %d threads", ctx.rank, device,
+             runner.num_blocks, torch.get_num_threads())
     ctx.ready(**info)
     send_lock = threading.Lock()  # grammar answers come from the compile threads
 

@@ -73,6 +73,7 @@ def ensure_config(config: EngineConfig) -> EngineConfig:
     config.check_structured()
     config.check_disaggregation()
     config.check_quantization()
+    config.check_device()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))
     config.check_parallel()
     if config.speculative_method == "draft":

@@ -77,11 +77,13 @@ def ep() -> ParallelState:
 
 
 def init_tensor_parallel(rank: int, world: int, init_method: str,
-                         expert_parallel: bool = False) -> ParallelState:
-    """Join the workers' group (once per process)."""
+                         expert_parallel: bool = False,
+                         device: torch.device | None = None) -> ParallelState:
+    """Join the workers' group (once per process): NCCL between GPU ranks, gloo between CPU
+    ones."""
     global _GROUP, _EXPERT_PARALLEL
     if world > 1:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world)
     _GROUP = ParallelState(rank, world)
     _EXPERT_PARALLEL = expert_parallel and world > 1
