@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On a machine with an NVIDIA GPU, from anywhere in the repo: install DeepInfer, run the Triton
 # kernel tests compiled for the device (no interpreter), model-sized shapes included, in
-# float32/float16/bfloat16 against their torch references, and print one summary.
+# float32/float16/bfloat16 against their torch references, then the engine on the GPU against
+# the CPU (greedy tokens, tensor parallelism over two GPUs when there are two, batch-1 and
+# 64-concurrent speed), and print one summary.
 # Takes a minute or two (kernel compilation dominates). Exit status: 0 only if all passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,8 +49,40 @@ DEEPINFER_KERNEL_REPORT=$report PYTHONPATH=$PWD timeout 480 \
 status=$?
 set -e
 
+# The engine itself: greedy tokens on the GPU (and over two GPUs with tensor parallelism)
+# against the CPU's, and its speed (scripts/gpu_engine_check.py). The model: the default one
+# when prepared, else random weights shaped by GPU_CHECK_MODEL_DIR (default .gpu-model: a
+# config.json and tokenizer files carried to a machine that reaches no model hub).
+echo "== engine on the GPU"
+engine_log=$(mktemp)
+engine_status=0
+model_dir=${GPU_CHECK_MODEL_DIR:-.gpu-model}
+if ! "$PY" -c "import zmq, msgspec, uvloop, starlette, safetensors, tokenizers" 2>/dev/null; then
+    echo "engine check skipped: the engine's packages are missing (offline install failed)"
+else
+    if "$PY" -c "from engine import envs; from engine.config import DEFAULT_MODEL_NAME as m; \
+assert any((envs.cache_dir() / m).glob('*.safetensors'))" 2>/dev/null; then
+        model_args=(--model default)
+    elif [[ -f $model_dir/config.json ]]; then
+        model_args=(--random-from "$model_dir")
+    else
+        model_args=()
+    fi
+    if [[ ${#model_args[@]} -eq 0 ]]; then
+        echo "engine check skipped: no default model and no $model_dir/config.json"
+    else
+        set +e
+        PYTHONPATH=$PWD timeout 900 "$PY" scripts/gpu_engine_check.py "${model_args[@]}" \
+            --devices cpu,cuda 2>&1 | tee "$engine_log" | grep -v " INFO "
+        engine_status=${PIPESTATUS[0]}
+        set -e
+    fi
+fi
+
 echo "== summary"
 cat "$report" 2>/dev/null || true
+grep -E "^(greedy|speed) " "$engine_log" 2>/dev/null || true
+[[ $status -eq 0 ]] && status=$engine_status
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
 verdict=$([[ $status -eq 0 ]] && echo PASS || echo "FAIL (pytest exit $status)")
 echo "gpu_check: $verdict on $gpu in $((SECONDS - start)) s"
