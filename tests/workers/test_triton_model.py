@@ -1,6 +1,7 @@
-"""A whole model through the Triton attention backend, as a GPU worker runs it: every native CPU
-op off (the torch fallbacks a CUDA device takes), attention through kernels/triton (on CPU under
-TRITON_INTERPRET=1), prompts in chunks and then decode steps, logits held to HF transformers."""
+"""A whole model through the Triton kernels, as a GPU worker runs it: every native CPU op off,
+attention through the Triton backend and the norms, rotary + KV store and SiLU·mul through
+workers/layers/gpu_kernels.py (all on CPU under TRITON_INTERPRET=1), prompts in chunks and then
+decode steps, logits held to HF transformers."""
 
 from __future__ import annotations
 
@@ -24,8 +25,14 @@ def test_triton_backend_logits_match_hf(name, tmp_path, monkeypatch) -> None:
     from kernels.cpu.native import NativeOp
     from workers import model_runner
     from workers.attention.triton_backend import TritonAttention
+    from workers.layers import gpu_kernels
 
     monkeypatch.setattr(NativeOp, "available", lambda self, *tensors: False)
+    monkeypatch.setattr(gpu_kernels, "wanted", lambda t: True)
+    called = set()
+    for op in ("add_rms_norm", "rope_store_kv", "silu_and_mul"):
+        kernel = getattr(gpu_kernels, op)
+        monkeypatch.setattr(gpu_kernels, op, lambda *a, _k=kernel, _n=op: called.add(_n) or _k(*a))
     launches = []
 
     def triton_backend(device, dtype):
@@ -40,6 +47,9 @@ def test_triton_backend_logits_match_hf(name, tmp_path, monkeypatch) -> None:
     prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist() for i, n in enumerate([13, 4])}
     runner, logits, tokens, steps = run_engine(model_dir, prompts, max_tokens=4)
     assert launches and runner.attention is launches[0] and steps > 4
+    # MLA rotates a rope key narrower than its latent "value": the reference path, by design
+    assert called == {"add_rms_norm", "rope_store_kv", "silu_and_mul"} - (
+        {"rope_store_kv"} if arch == "deepseek_v3" else set())
     for rid, ids in prompts.items():
         ref = hf_logits(model_dir, ids + tokens[rid][:-1])  # teacher-forced on our tokens
         assert logits[rid].shape == ref.shape

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import fused as cpu_fused
+from workers.layers import gpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -17,6 +18,7 @@ class RMSNorm(nn.Module):
         # after loading, so every path (native or not) computes a plain RMSNorm.
         self.offset = offset
         self.native_weight: torch.Tensor | None = None  # set by finalize() when native
+        self.triton = False  # set by finalize(): on a GPU
 
     def after_load(self) -> None:
         if self.offset:
@@ -26,10 +28,13 @@ class RMSNorm(nn.Module):
         """Called once after the weights are loaded: picks the fused native op when it fits."""
         w = self.weight.data
         self.native_weight = w if cpu_fused.available(w) else None
+        self.triton = gpu_kernels.wanted(w)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """Norm of x, or with `residual`: residual += x (in place), then the norm of the sum."""
         w = self.native_weight
         if w is not None and x.is_contiguous():
             return cpu_fused.add_rms_norm(x, residual, w, self.eps)
+        if self.triton and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return gpu_kernels.add_rms_norm(x, residual, self.weight, self.eps)
         return cpu_fused.add_rms_norm_ref(x, residual, self.weight, self.eps)

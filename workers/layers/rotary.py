@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import fused as cpu_fused
+from workers.layers import gpu_kernels
 
 
 def inverse_frequencies(params: dict, rotary_dim: int) -> tuple[torch.Tensor, float]:
@@ -77,10 +78,12 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat([freqs, freqs], dim=-1)
         self.register_buffer("cos", emb.cos() * scale, persistent=False)
         self.register_buffer("sin", emb.sin() * scale, persistent=False)
-        self.native = False  # set by finalize(), once the model has its final dtype
+        self.native = False  # set by finalize(), once the model has its final dtype and device
+        self.triton = False
 
     def finalize(self) -> None:
         self.native = cpu_fused.available(self.cos)
+        self.triton = gpu_kernels.wanted(self.cos)
 
     def apply_and_store(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         positions: torch.Tensor, k_cache: torch.Tensor | None = None,
@@ -88,8 +91,13 @@ class RotaryEmbedding(nn.Module):
                         ) -> None:
         """Rotate q [T, H, D] and k [T, KVH, D] in place at `positions`, then write k, v to
         the cache `slots` (-1: not written): one fused pass on CPU float32."""
-        native = (self.native and q.dtype == torch.float32 and k.shape[-1] == v.shape[-1]
-                  and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
-                  and (k_cache is None or (k_cache.is_contiguous() and v_cache.is_contiguous())))
-        fn = cpu_fused.rope_store_kv if native else cpu_fused.rope_store_kv_ref
+        fits = (k.shape[-1] == v.shape[-1]
+                and all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (q, k, v))
+                and (k_cache is None or (k_cache.is_contiguous() and v_cache.is_contiguous())))
+        if self.native and fits and q.dtype == torch.float32:
+            fn = cpu_fused.rope_store_kv
+        elif self.triton and fits:
+            fn = gpu_kernels.rope_store_kv
+        else:
+            fn = cpu_fused.rope_store_kv_ref
         fn(q, k, v, self.cos, self.sin, positions, k_cache, v_cache, slots)

@@ -20,6 +20,7 @@ from kernels.cpu import fused as cpu_fused
 from kernels.cpu.decode_layer import DecodeLayerWeights
 from workers.attention import AttentionBackend, AttentionMetadata
 from workers.distributed.parallel_state import tp
+from workers.layers import gpu_kernels
 from workers.layers.linear import SMALL_M, MergedLinear, RowParallelLinear
 from workers.layers.norm import RMSNorm
 from workers.layers.rotary import RotaryEmbedding
@@ -92,10 +93,12 @@ class MLP(nn.Module):
         if cfg.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise ModelConfigError(f"MLP activation {cfg.hidden_act!r} is not supported")
         self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"  # Gemma's GeGLU
-        self._native = False  # set by finalize()
+        self._native = self._triton = False  # set by finalize()
 
     def finalize(self) -> None:
-        self._native = not self.gelu and cpu_fused.available(self.gate_up_proj.weight)
+        w = self.gate_up_proj.weight
+        self._native = not self.gelu and cpu_fused.available(w)
+        self._triton = not self.gelu and gpu_kernels.wanted(w)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
@@ -104,6 +107,8 @@ class MLP(nn.Module):
             return self.down_proj(torch.nn.functional.gelu(gate, approximate="tanh") * up)
         if self._native and gate_up.is_contiguous():
             return self.down_proj(cpu_fused.silu_and_mul(gate_up))
+        if self._triton and gate_up.is_contiguous():
+            return self.down_proj(gpu_kernels.silu_and_mul(gate_up))
         return self.down_proj(cpu_fused.silu_and_mul_ref(gate_up))
 
 
