@@ -15,4 +15,7 @@ def copy_blocks(pairs: torch.Tensor, device: list[KVPair], host: list[KVPair],
     for dev_kv, host_kv in zip(device, host):
         for dev, hst in zip(dev_kv, host_kv):
             src, dst = (dev, hst) if to_host else (hst, dev)
-            dst.index_copy_(0, pairs[:, 1], src.index_select(0, pairs[:, 0]))
+            # Each index where its tensor is; the gathered blocks cross once (a GPU cache and
+            # its host tier), blocking, since the next statement reads them.
+            rows = src.index_select(0, pairs[:, 0].to(src.device))
+            dst.index_copy_(0, pairs[:, 1].to(dst.device), rows.to(dst.device))
