@@ -82,6 +82,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     overlap_scheduling: bool = True
     seed: int = 0
     device: str = "auto"  # DEVICES
+    # GPU: no CUDA graphs (every decode step launches its kernels one by one).
+    enforce_eager: bool = False
     worker_threads: int | None = None
     # Copies of each linear weight on CPU: both (fastest at every batch size, 2x memory),
     # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while

@@ -90,6 +90,8 @@ _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
 _ENGINE_SWITCHES = [
     ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),
     ("--overlap-scheduling", "plan the next step while the workers compute (default on)"),
+    ("--enforce-eager", "GPU: run decode steps without CUDA graphs (default: graphs for "
+     "decode-only steps of the Llama family on one GPU)"),
     ("--enable-expert-parallel", "with --tensor-parallel-size N: split each MoE layer's experts "
      "whole over the ranks, dense layers replicated (default off: tensor parallelism)"),
 ]

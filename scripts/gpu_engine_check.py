@@ -1,6 +1,7 @@
 """The whole engine on a GPU against the same engine on the CPU (scripts/gpu_check.sh runs it).
 
-For each run (the CPU, the first GPU, and tensor parallelism over two GPUs when there are two):
+For each run (the CPU; the first GPU with CUDA graphs and without (--enforce-eager); tensor
+parallelism over two GPUs when there are two):
 greedy token ids of --prompts prompts, --max-tokens each, EOS ignored, compared with the first
 run's (identical, or the first position that differs); then batch-1 decode tok/s and the output
 tok/s of --concurrency requests at once (bench_peers.py's definitions). One JSON line per run,
@@ -69,10 +70,10 @@ def random_llama(source: Path, out: Path, std: float, seed: int = 0) -> Path:
     return out
 
 
-def run(model: str, device: str, tp: int, args: argparse.Namespace) -> dict:
+def run(model: str, device: str, tp: int, eager: bool, args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     llm = LLM(model, device=device, tensor_parallel_size=tp, max_num_seqs=args.concurrency,
-              seed=0)
+              enforce_eager=eager, seed=0)
     load = time.perf_counter() - start
     try:
         prompts = [[100 + 37 * i + j for j in range(args.prompt_len)] for i in range(args.prompts)]
@@ -90,7 +91,8 @@ def run(model: str, device: str, tp: int, args: argparse.Namespace) -> dict:
         speed.update(measure_batch(generate, many, args.output_len))
     finally:
         llm.shutdown()
-    return {"device": device, "tensor_parallel_size": tp, "load_s": round(load, 1),
+    name = f"{device} tp{tp}" + (" eager" if eager and device != "cpu" else "")
+    return {"run": name, "load_s": round(load, 1),
             "batch1_decode_tok_s": speed.get("batch1_decode_tok_s"),
             "batch_output_tok_s": speed.get("batch_output_tok_s"), "tokens": tokens}
 
@@ -125,12 +127,14 @@ def main(argv: list[str] | None = None) -> int:
                                  args.init_std))
     else:
         model = args.model or "default"
-    plan = [(d, 1) for d in args.devices.split(",")]
-    if "cuda" in args.devices and torch.cuda.device_count() >= 2:
-        plan.append(("cuda", 2))
+    plan = [(d, 1, False) for d in args.devices.split(",")]
+    if "cuda" in args.devices:  # the same without CUDA graphs, and over two GPUs
+        plan.append(("cuda", 1, True))
+        if torch.cuda.device_count() >= 2:
+            plan.append(("cuda", 2, False))
     results = []
-    for device, tp in plan:
-        result = run(model, device, tp, args)
+    for device, tp, eager in plan:
+        result = run(model, device, tp, eager, args)
         results.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "tokens"}), flush=True)
     base, failed = results[0], False
@@ -139,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         same = sum(x == y for x, y in zip(base["tokens"], r["tokens"]))
         where = ("identical" if diff is None
                  else f"first differs at prompt {diff[0]}, token {diff[1]}")
-        print(f"greedy {r['device']} tp{r['tensor_parallel_size']} vs {base['device']}: "
+        print(f"greedy {r['run']} vs {base['run']}: "
               f"{same}/{len(base['tokens'])} prompts identical ({where})")
         failed |= diff is not None
     for r in results:
-        print(f"speed {r['device']} tp{r['tensor_parallel_size']}: batch-1 "
+        print(f"speed {r['run']}: batch-1 "
               f"{r['batch1_decode_tok_s'] or 0:.1f} tok/s, {args.concurrency} concurrent "
               f"{r['batch_output_tok_s'] or 0:.1f} tok/s")
     return 1 if failed else 0

@@ -7,6 +7,7 @@ a prefix of them plus one token of the target's (workers/sample/rejection.py).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,7 @@ from engine.protocol import (
     unpack_ids,
 )
 from workers.attention import select_backend
+from workers.cuda_graphs import DecodeGraphs, capture_sizes
 from workers.distributed.parallel_state import group, tp
 from workers.kv_connector import HostTierWorker
 from workers.loader import DTYPES, load_model
@@ -34,6 +36,8 @@ from workers.spec_decode.factory import build_proposer
 from workers.step_batch import SeqRows, StepBatch, build_batch, resolve_inputs
 from workers.structured.compile_service import GrammarCompileService
 from workers.structured.masks import MaskedRows, accept, allowed_drafts, fill_bitmask
+
+log = logging.getLogger("deepinfer.worker")
 
 
 class ModelRunner:
@@ -65,6 +69,7 @@ class ModelRunner:
             [self.kv_caches[i] for i in full],
             [self._kv_pair(host_blocks, spec.layers[i], dtype, host=True) for i in full]
         ) if host_blocks else None
+        self.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
         self.proposer: Proposer | None = build_proposer(config, self.sampler)
@@ -73,6 +78,24 @@ class ModelRunner:
         # Prefill/decode disaggregation: the transfer connector's worker half, set by the
         # worker process (workers/kv_transfer/worker.py).
         self.transfer = None
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """CUDA graphs of decode-only steps, where the forward can be one (workers/cuda_graphs.py);
+        a capture that fails leaves the runner eager, with a warning."""
+        if (self.device.type != "cuda" or self.config.enforce_eager
+                or not DecodeGraphs.supported(self.model, self.tp.world)):
+            return None
+        max_blocks = -(-self.config.context_len() // self.block_size)
+        try:
+            graphs = DecodeGraphs(self.model, self.kv_caches,
+                                  capture_sizes(self.config.max_num_seqs), max_blocks,
+                                  self.windows, self.block_size, self.device)
+        except Exception as e:  # noqa: BLE001 (any capture failure: run eagerly)
+            log.warning("CUDA graphs off, the capture failed: %s: %s", type(e).__name__, e)
+            return None
+        log.info("CUDA graphs captured for decode batches of %s rows",
+                 [b.size for b in graphs.buffers])
+        return graphs
 
     @property
     def grammars(self) -> GrammarCompileService:
@@ -155,8 +178,13 @@ class ModelRunner:
         metas = [self.attention.build_metadata(sl, self.block_size, w)
                  for sl, w in zip(batch.slices, self.windows)]
         dev = self.device  # (a no-op on the CPU)
-        return self.model(batch.input_ids.to(dev, non_blocking=True),
-                          batch.positions.to(dev, non_blocking=True), self.kv_caches, metas)
+        ids = batch.input_ids.to(dev, non_blocking=True)
+        positions = batch.positions.to(dev, non_blocking=True)
+        if self.graphs is not None:
+            hidden = self.graphs.run(ids, positions, metas)
+            if hidden is not None:
+                return hidden
+        return self.model(ids, positions, self.kv_caches, metas)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:

@@ -9,6 +9,7 @@ from engine import LLM
 from engine.config import EngineConfig, ModelConfigError
 from engine.runtime.launcher import EngineStartupError
 from frontend import cli
+from workers.cuda_graphs import capture_sizes
 from workers.device import DeviceError, resolve_device
 
 
@@ -69,3 +70,11 @@ def test_cuda_without_a_gpu_fails_the_start_with_the_reason(tiny_model_dir) -> N
     with pytest.raises(EngineStartupError, match="worker0 failed to start: DeviceError: "
                                                  "--device cuda: torch .* sees no CUDA device"):
         LLM(str(tiny_model_dir), device="cuda", num_kv_blocks=16)
+
+
+def test_graph_sizes_and_the_eager_switch() -> None:
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(3) == [1, 2, 3] and capture_sizes(1000)[-1] == 256
+    parse = cli.build_parser().parse_args
+    assert cli.engine_kwargs(parse(["serve", "--enforce-eager"]))["enforce_eager"] is True
+    assert cli.engine_config(parse(["generate", "--prompt", "x"])).enforce_eager is False

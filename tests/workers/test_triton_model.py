@@ -47,6 +47,12 @@ def test_triton_backend_logits_match_hf(name, tmp_path, monkeypatch) -> None:
     prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist() for i, n in enumerate([13, 4])}
     runner, logits, tokens, steps = run_engine(model_dir, prompts, max_tokens=4)
     assert launches and runner.attention is launches[0] and steps > 4
+    from workers.cuda_graphs import DecodeGraphs
+
+    assert runner.graphs is None  # graphs are captured on CUDA devices only
+    # MLA indexes its decode rows from the host, MoE routing syncs: no graphs for them
+    assert DecodeGraphs.supported(runner.model, 1) == (arch != "deepseek_v3")
+    assert not DecodeGraphs.supported(runner.model, 2)  # no collectives inside a graph yet
     # MLA rotates a rope key narrower than its latent "value": the reference path, by design
     assert called == {"add_rms_norm", "rope_store_kv", "silu_and_mul"} - (
         {"rope_store_kv"} if arch == "deepseek_v3" else set())
@@ -56,4 +62,46 @@ def test_triton_backend_logits_match_hf(name, tmp_path, monkeypatch) -> None:
         diff = (logits[rid] - ref).abs().max().item()
         # float32 throughout: only the reductions' order differs (~1e-6); a wrong table, key
         # range, mask or latent moves these logits by 1e-2 or more.
+        assert diff < 1e-3, f"{rid}: max abs logit diff {diff}"
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral-sliding-window"])
+def test_decode_graph_buffers_match_hf(name, tmp_path, monkeypatch) -> None:
+    """workers/cuda_graphs.py's padded static buffers, run eagerly (no graph can be captured
+    on CPU): decode steps of 2 rows in the 4-row buffers, tables padded to the longest context,
+    the padding rows seeing no key and writing no slot; logits still HF's."""
+    import torch
+
+    from workers import model_runner
+    from workers.attention.triton_backend import TritonAttention
+    from workers.cuda_graphs import DecodeGraphs
+
+    monkeypatch.setattr(model_runner, "select_backend", lambda device, dtype: TritonAttention(
+        DEVICE))
+    replays = []
+
+    def graphs(self):
+        assert DecodeGraphs.supported(self.model, 1)
+        g = DecodeGraphs(self.model, self.kv_caches, [1, 4], 40, self.windows, self.block_size,
+                         torch.device(DEVICE), capture=False)
+        run = g.run
+
+        def counted(*args):
+            out = run(*args)
+            replays.append(out is not None)
+            return out
+
+        g.run = counted
+        return g
+
+    monkeypatch.setattr(model_runner.ModelRunner, "_decode_graphs", graphs)
+    arch, overrides = CONFIGS[name]
+    model_dir = save_tiny_model(tmp_path, arch, **overrides)
+    rng = np.random.default_rng(2)
+    prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist() for i, n in enumerate([9, 6])}
+    _, logits, tokens, _ = run_engine(model_dir, prompts, max_tokens=5)
+    assert sum(replays) >= 3  # decode-only steps took the buffers; prefills did not
+    for rid, ids in prompts.items():
+        ref = hf_logits(model_dir, ids + tokens[rid][:-1])
+        diff = (logits[rid] - ref).abs().max().item()
         assert diff < 1e-3, f"{rid}: max abs logit diff {diff}"
