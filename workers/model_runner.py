@@ -118,8 +118,8 @@ class ModelRunner:
 
     def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype, host: bool = False
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's cache on the device, or (`host`) the host tier's: pinned beside a GPU,
-        so its copies to and from the device run asynchronously."""
+        """One layer's cache on the device, or (`host`) the host tier's: pinned beside a GPU
+        (page-locked memory is what the GPU copies to and from directly)."""
         k, v = layer.entry_shapes()
         if layer.entry == KV and self.tp.world > 1:
             heads = self.tp.kv_heads(layer.num_kv_heads)[1]
