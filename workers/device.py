@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig
+from engine.config import EngineConfig, ModelConfigError
 
 
-class DeviceError(RuntimeError):
-    """--device names a device this machine or this config cannot use."""
+class DeviceError(ModelConfigError):
+    """--device names a device this machine or this config cannot use (the user's to fix: the
+    worker reports it without a traceback)."""
 
 
 def resolve_device(config: EngineConfig, rank: int) -> torch.device:

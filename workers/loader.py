@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.model_config import ModelConfig
+from engine.model_config import ModelConfig, ModelConfigError
 from engine.model_store.gguf_model import gguf_source
 from workers.attention import AttentionBackend, select_backend
 from workers.layers.checkpoint_tensor import LazyTensor, materialize
@@ -60,9 +60,9 @@ def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "aut
                      if getattr(m, "quantized_parts", None)
                      or getattr(m, "quantized", None) is not None]
         if quantized:
-            raise ValueError(f"{model_dir} keeps quantized weights ({quantized[0]}, ...), which "
-                             f"run on CPU workers only so far: --device cpu, or a float "
-                             f"checkpoint on {device.type}")
+            raise ModelConfigError(
+                f"{model_dir} keeps quantized weights ({quantized[0]}, ...), which run on CPU "
+                f"workers only so far: --device cpu, or a float checkpoint on {device.type}")
         model.to(device)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
     copies = resolve_weight_copies(weight_copies, sum(

@@ -78,3 +78,15 @@ def test_graph_sizes_and_the_eager_switch() -> None:
     parse = cli.build_parser().parse_args
     assert cli.engine_kwargs(parse(["serve", "--enforce-eager"]))["enforce_eager"] is True
     assert cli.engine_config(parse(["generate", "--prompt", "x"])).enforce_eager is False
+
+
+def test_quantized_checkpoints_are_refused_off_the_cpu(tiny_model_dir, tmp_path) -> None:
+    """An fp8 checkpoint keeps its weights quantized; off the CPU (here the meta device, which
+    needs no GPU: the check runs before anything moves) the loader says so."""
+    from tests.workers.quantized_checkpoints import write_fp8_checkpoint
+    from workers.loader import load_model
+
+    fp8, _ = write_fp8_checkpoint(tiny_model_dir, tmp_path / "fp8", tmp_path / "ref")
+    with pytest.raises(ModelConfigError, match="keeps quantized weights .* run on CPU workers "
+                                               "only so far: --device cpu"):
+        load_model(str(fp8), device=torch.device("meta"))
