@@ -673,7 +673,8 @@ inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd,
     for (int64_t q = 0; q < 8; ++q) {
       const int64_t p = b * 8 + q;
       const __m256i w0 = load32(packed + p * kTileN), w1 = load32(packed + p * kTileN + 8);
-      const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);  // int8 only (unused)
+      __m256i a0 = w0, a1 = w1;  // int8: |w| (the sign goes to the activations)
+      if constexpr (KD == Kind::kInt8) a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
 #pragma GCC unroll 8
       for (int m = 0; m < MR; ++m) {
         const __m256i xv = quad(m, p);
