@@ -88,7 +88,6 @@ class DecodeGraphs:
         self.model, self.kv_caches, self.max_blocks = model, kv_caches, max_blocks
         self.buffers = [_Buffers(s, len(windows), max_blocks, windows, block_size, device)
                         for s in sorted(sizes)]
-        self.captured = False
         if capture:
             self._capture()
 
@@ -122,7 +121,6 @@ class DecodeGraphs:
                 buf.graph = graph
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        self.captured = True
 
     def run(self, ids: torch.Tensor, positions: torch.Tensor,
             metas: list[AttentionMetadata]) -> torch.Tensor | None:

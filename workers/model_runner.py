@@ -24,7 +24,8 @@ from engine.protocol import (
     pack_ids,
     unpack_ids,
 )
-from workers.attention import select_backend
+from workers.attention import AttentionMetadata, select_backend
+from workers.attention.triton_backend import TritonAttention
 from workers.cuda_graphs import DecodeGraphs, capture_sizes
 from workers.distributed.parallel_state import group, tp
 from workers.kv_connector import HostTierWorker
@@ -83,6 +84,7 @@ class ModelRunner:
         """CUDA graphs of decode-only steps, where the forward can be one (workers/cuda_graphs.py);
         a capture that fails leaves the runner eager, with a warning."""
         if (self.device.type != "cuda" or self.config.enforce_eager
+                or not isinstance(self.attention, TritonAttention)
                 or not DecodeGraphs.supported(self.model, self.tp.world)):
             return None
         max_blocks = -(-self.config.context_len() // self.block_size)
@@ -175,15 +177,21 @@ class ModelRunner:
         return out, requests
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
-        metas = [self.attention.build_metadata(sl, self.block_size, w)
-                 for sl, w in zip(batch.slices, self.windows)]
         dev = self.device  # (a no-op on the CPU)
         ids = batch.input_ids.to(dev, non_blocking=True)
         positions = batch.positions.to(dev, non_blocking=True)
-        if self.graphs is not None:
-            hidden = self.graphs.run(ids, positions, metas)
-            if hidden is not None:
-                return hidden
+        if self.graphs is None:
+            metas = [self.attention.build_metadata(sl, self.block_size, w)
+                     for sl, w in zip(batch.slices, self.windows)]
+            return self.model(ids, positions, self.kv_caches, metas)
+        # The graphs copy host metadata into their own buffers; only a step they do not take
+        # moves it to the device the backend's way.
+        base = [AttentionMetadata.build(sl, self.block_size, w)
+                for sl, w in zip(batch.slices, self.windows)]
+        hidden = self.graphs.run(ids, positions, base)
+        if hidden is not None:
+            return hidden
+        metas = [self.attention.on_device(m) for m in base]
         return self.model(ids, positions, self.kv_caches, metas)
 
     @torch.inference_mode()

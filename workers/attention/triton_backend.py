@@ -61,7 +61,11 @@ class TritonAttention(AttentionBackend):
 
     def build_metadata(self, slices: list[SeqSlice], block_size: int,
                        window: int | None) -> TritonMetadata:
-        base = AttentionMetadata.build(slices, block_size, window)
+        return self.on_device(AttentionMetadata.build(slices, block_size, window))
+
+    def on_device(self, base: AttentionMetadata) -> TritonMetadata:
+        """`base` (host tensors, as every backend builds it) with the index tensors the kernels
+        read copied to the device, once."""
         meta = TritonMetadata(**{f: getattr(base, f) for f in base.__dataclass_fields__})
         dev = self.device
         meta.row_slots = base.row_slots.to(dev, non_blocking=True)
@@ -80,7 +84,7 @@ class TritonAttention(AttentionBackend):
         from kernels.triton.prefill_attention import prefill_attention
 
         if not isinstance(meta, TritonMetadata):  # built by another backend (a test, a tool)
-            meta = self.build_metadata(meta.seqs, meta.block_size, meta.window)
+            meta = self.on_device(meta)
         if meta.decode_rows is not None and meta.prefill_launch is None:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
                                           meta.decode_lo_dev, meta.decode_hi_dev, scale)
