@@ -355,6 +355,10 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
+// How a weight row's scales meet its blocks of 32: one scale a block (4-bit, Q8_0), one a
+// group of several blocks (int8 per channel: one a row), or two a block (Q6_K's groups of 16).
+enum class Scales { kPerBlock, kPerGroup, kPer16 };
+
 #if defined(__AVX2__) && defined(__FMA__)
 // Integer dot products of one block of 32 weights with 32 activations, as 8 int32 partial sums
 // (lanes 0-3: elements 0-15, lanes 4-7: elements 16-31) converted to floats. u8 x s8 pairs sum
@@ -384,140 +388,146 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// y[m, r] for m < MG, r < R: weight rows n0.. against MG rows of quantized activations. The
-// blocks of a group share the weight's scale, so within a group each block's integer dot
-// product is scaled by its activation scale only, and the group's sum by the weight's once
-// (int8 per channel: once a row). Groups of 16 (Q6_K) put two scales in one block.
-template <Kind KD, int MG, int R>
+// y[m, r] for m < MG, r < R: weight rows n.. against MG rows of quantized activations. A
+// block's weight and activation scales are multiplied first (for a chunk of blocks at once),
+// so each block costs one FMA; a row's blocks go U at a time into U independent sums (one
+// chain of FMAs is latency-bound at 4-bit's 16 bytes a block).
+template <Kind KD, int MG, int R, int U, Scales SL>
 inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const float* xs,
-                         int64_t B, const Weights& w, int64_t n0, const float* bias,
+                         int64_t B, const Weights& w, int64_t n, const float* bias,
                          float* __restrict y, int64_t ldy) {
-  const int64_t K = w.K, G = w.G, rb = row_bytes<KD>(K);
-  const bool split = KD == Kind::kInt8 && w.g == 16;
-  // Blocks per weight scale (4-bit: 1, known here; no division in the loop).
-  const int64_t per_group = KD == Kind::kQ4 || split ? 1 : w.g / kBlock;
   constexpr int64_t kPfMask = KD == Kind::kQ4 ? 3 : 1;  // one prefetch per 64-byte line
-  Vec total[MG][R];
-  float min_terms[MG][R] = {};  // 4-bit: sum over groups of min x block sum
+  constexpr int64_t kChunk = 64;                        // blocks whose scales are combined
+  constexpr int kPer = SL == Scales::kPer16 ? 2 : 1;    // scales a block
+  const int64_t K = w.K, G = w.G, rb = row_bytes<KD>(K);
+  Vec total[MG][R][U];
+  float min_terms[MG][R] = {};  // 4-bit: sum over blocks of min x block sum
 #pragma GCC unroll 16
   for (int m = 0; m < MG; ++m) {
 #pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) total[m][r] = vzero();
-  }
-  // The rows' scales (and mins) a chunk of groups at a time, as float32 (floats_at).
-  constexpr int64_t kChunk = 64;  // groups; even, so Q6_K's pairs never straddle chunks
-  float sbuf[R][kChunk], mbuf[R][kChunk];
-  for (int64_t c0 = 0; c0 < G; c0 += kChunk) {
-    const int64_t cn = std::min(kChunk, G - c0);
-    const float* sc[R];
-    const float* mn[R];
-#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      sc[r] = floats_at(w, w.scale, (n0 + r) * G + c0, cn, sbuf[r]);
-      if constexpr (KD == Kind::kQ4) mn[r] = floats_at(w, w.min, (n0 + r) * G + c0, cn, mbuf[r]);
+#pragma GCC unroll 16
+      for (int u = 0; u < U; ++u) total[m][r][u] = vzero();
     }
-    const int64_t b_end = split ? (c0 + cn) / 2 : (c0 + cn) * per_group;
-    for (int64_t b0 = split ? c0 / 2 : c0 * per_group, gi = 0; b0 < b_end;
-         b0 += per_group, gi += split ? 2 : 1) {
-      Vec acc[MG][R];
+  }
+  float sbuf[kPer * kChunk], ds[R][MG][kPer * kChunk];  // ds: the chunk's combined scales
+  // UC blocks side by side from block b (b0: the chunk's first).
+  auto blocks = [&](auto uc, int64_t b, int64_t b0) {
+    constexpr int UC = decltype(uc)::value;
 #pragma GCC unroll 16
-      for (int m = 0; m < MG; ++m) {
+    for (int u = 0; u < UC; ++u) {
+      __m256i xv[MG];
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) acc[m][r] = vzero();
-      }
-      for (int64_t b = b0; b < b0 + per_group; ++b) {
-        const int64_t byte = row_bytes<KD>(b * kBlock);
-        __m256i xv[MG];
-        Vec xd_v[MG];
-#pragma GCC unroll 16
-        for (int m = 0; m < MG; ++m) {
-          xv[m] = load32(xq + m * K + b * kBlock);
-          xd_v[m] = _mm256_broadcast_ss(xd + m * B + b);
-        }
-#pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) {
-          const uint8_t* wr = w.q + (n0 + r) * rb + byte;
-          if ((b & kPfMask) == 0) prefetch(wr + kPfAhead);
-          if constexpr (KD == Kind::kQ4) {
-            const __m256i wv = q4_bytes(wr);
-#pragma GCC unroll 16
-            for (int m = 0; m < MG; ++m) {
-              acc[m][r] = vfma(block_dot(wv, xv[m]), xd_v[m], acc[m][r]);
-            }
-          } else {
-            const __m256i wv = load32(wr), wabs = _mm256_abs_epi8(wv);
-            // Q6_K: the block's two groups of 16 take their own weight scale here.
-            const Vec ws2 = split ? _mm256_set_m128(_mm_broadcast_ss(sc[r] + gi + 1),
-                                                    _mm_broadcast_ss(sc[r] + gi))
-                                  : vset1(1.f);
-#pragma GCC unroll 16
-            for (int m = 0; m < MG; ++m) {
-              const Vec d = block_dot(wabs, _mm256_sign_epi8(xv[m], wv));
-              acc[m][r] = vfma(d, split ? _mm256_mul_ps(xd_v[m], ws2) : xd_v[m], acc[m][r]);
-            }
-          }
-        }
-      }
+      for (int m = 0; m < MG; ++m) xv[m] = load32(xq + m * K + (b + u) * kBlock);
+      const int64_t i = kPer * (b + u - b0);
 #pragma GCC unroll 16
       for (int r = 0; r < R; ++r) {
-        const Vec ws = split ? vset1(1.f) : _mm256_broadcast_ss(sc[r] + gi);
+        const uint8_t* p = w.q + (n + r) * rb + row_bytes<KD>((b + u) * kBlock);
+        if (((b + u) & kPfMask) == 0) prefetch(p + kPfAhead);
+        __m256i wv, wabs;
+        if constexpr (KD == Kind::kQ4) {
+          wv = q4_bytes(p);
+        } else {  // the sign trick: |w| as the unsigned operand, x takes w's sign
+          wv = load32(p);
+          wabs = _mm256_abs_epi8(wv);
+        }
 #pragma GCC unroll 16
-        for (int m = 0; m < MG; ++m) total[m][r] = vfma(acc[m][r], ws, total[m][r]);
+        for (int m = 0; m < MG; ++m) {
+          const Vec d = KD == Kind::kQ4 ? block_dot(wv, xv[m])
+                                        : block_dot(wabs, _mm256_sign_epi8(xv[m], wv));
+          const Vec s = SL == Scales::kPer16
+                            ? _mm256_set_m128(_mm_broadcast_ss(&ds[r][m][i + 1]),
+                                              _mm_broadcast_ss(&ds[r][m][i]))
+                            : _mm256_broadcast_ss(&ds[r][m][i]);
+          total[m][r][u] = vfma(d, s, total[m][r][u]);
+        }
       }
     }
-    if constexpr (KD == Kind::kQ4) {  // a 4-bit group is one block: block sums line up
+  };
+  for (int64_t b0 = 0; b0 < B; b0 += kChunk) {
+    const int64_t nb = std::min(kChunk, B - b0);
 #pragma GCC unroll 16
-      for (int m = 0; m < MG; ++m) {
+    for (int r = 0; r < R; ++r) {
+      if constexpr (SL == Scales::kPerGroup) {  // each group's scale read once
+        const int64_t per_group = w.g / kBlock;
+        for (int64_t i = 0; i < nb;) {
+          const int64_t gi = (b0 + i) / per_group, e = std::min(nb, (gi + 1) * per_group - b0);
+          const float sg = scalar(w, w.scale, (n + r) * G + gi);
+          for (; i < e; ++i) {
 #pragma GCC unroll 16
-        for (int r = 0; r < R; ++r) min_terms[m][r] += dot(mn[r], xs + m * B + c0, cn);
+            for (int m = 0; m < MG; ++m) ds[r][m][i] = sg * xd[m * B + b0 + i];
+          }
+        }
+      } else {
+        const float* sc = floats_at(w, w.scale, (n + r) * G + kPer * b0, kPer * nb, sbuf);
+#pragma GCC unroll 16
+        for (int m = 0; m < MG; ++m) {
+          int64_t i = 0;
+          if constexpr (kPer == 1) {
+            for (; i + kV <= nb; i += kV) {
+              vstore(&ds[r][m][i], _mm256_mul_ps(vload(sc + i), vload(xd + m * B + b0 + i)));
+            }
+          }
+          for (; i < kPer * nb; ++i) ds[r][m][i] = sc[i] * xd[m * B + b0 + i / kPer];
+        }
+      }
+      if constexpr (KD == Kind::kQ4) {  // a 4-bit group is one block: block sums line up
+        const float* mn = floats_at(w, w.min, (n + r) * G + b0, nb, sbuf);
+#pragma GCC unroll 16
+        for (int m = 0; m < MG; ++m) min_terms[m][r] += dot(mn, xs + m * B + b0, nb);
       }
     }
+    int64_t b = b0;
+    for (; b + U <= b0 + nb; b += U) blocks(std::integral_constant<int, U>{}, b, b0);
+    for (; b < b0 + nb; ++b) blocks(std::integral_constant<int, 1>{}, b, b0);
   }
 #pragma GCC unroll 16
   for (int m = 0; m < MG; ++m) {
 #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
-      y[m * ldy + r] = vsum(total[m][r]) + min_terms[m][r] +
-                       (bias != nullptr ? bias[n0 + r] : 0.f);
+#pragma GCC unroll 16
+      for (int u = 1; u < U; ++u) total[m][r][0] = _mm256_add_ps(total[m][r][0], total[m][r][u]);
+      y[m * ldy + r] = vsum(total[m][r][0]) + min_terms[m][r] +
+                       (bias != nullptr ? bias[n + r] : 0.f);
     }
   }
 }
 
 #else
-template <Kind KD, int MG, int R>
+template <Kind KD, int MG, int R, int U, Scales SL>
 inline void int_rows_dot(const int8_t* xq, const float* xd, const float* xs, int64_t B,
-                         const Weights& w, int64_t n0, const float* bias, float* y,
+                         const Weights& w, int64_t n, const float* bias, float* y,
                          int64_t ldy) {
-  const int64_t K = w.K, G = w.G, g = w.g, rb = row_bytes<KD>(K);
+  const int64_t K = w.K, G = w.G, g = w.g;
+  for (int64_t row = n; row < n + R; ++row) {
+  const uint8_t* wr = w.q + row * row_bytes<KD>(K);
   for (int m = 0; m < MG; ++m) {
-    for (int r = 0; r < R; ++r) {
-      const uint8_t* wr = w.q + (n0 + r) * rb;
-      float total = 0.f;
-      for (int64_t b = 0; b < B; ++b) {
-        int32_t sums[2] = {0, 0};  // elements 0-15, 16-31 of the block
-        for (int64_t k = 0; k < kBlock; ++k) {
-          const int64_t e = b * kBlock + k;
-          const uint8_t byte = wr[b * 16 + (k & 15)];  // 4-bit: element k's byte
-          const int32_t q = KD != Kind::kQ4 ? static_cast<int8_t>(wr[e])
-                                             : (k < 16 ? byte & 0xF : byte >> 4);
-          sums[k / 16] += q * xq[m * K + e];
-        }
-        const float d = xd[m * B + b];
-        for (int h = 0; h < 2; ++h) {
-          const int64_t gi = (b * kBlock + h * 16) / g;
-          total += sums[h] * scalar(w, w.scale, (n0 + r) * G + gi) * d;
-        }
-        if constexpr (KD == Kind::kQ4) total += scalar(w, w.min, (n0 + r) * G + b) * xs[m * B + b];
+    float total = 0.f;
+    for (int64_t b = 0; b < B; ++b) {
+      int32_t sums[2] = {0, 0};  // elements 0-15, 16-31 of the block
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const int64_t e = b * kBlock + k;
+        const uint8_t byte = wr[b * 16 + (k & 15)];  // 4-bit: element k's byte
+        const int32_t q = KD != Kind::kQ4 ? static_cast<int8_t>(wr[e])
+                                           : (k < 16 ? byte & 0xF : byte >> 4);
+        sums[k / 16] += q * xq[m * K + e];
       }
-      y[m * ldy + r] = total + (bias != nullptr ? bias[n0 + r] : 0.f);
+      const float d = xd[m * B + b];
+      for (int h = 0; h < 2; ++h) {
+        const int64_t gi = (b * kBlock + h * 16) / g;
+        total += sums[h] * scalar(w, w.scale, row * G + gi) * d;
+      }
+      if constexpr (KD == Kind::kQ4) total += scalar(w, w.min, row * G + b) * xs[m * B + b];
     }
+    y[m * ldy + row - n] = total + (bias != nullptr ? bias[row] : 0.f);
+  }
   }
 }
 #endif
 
 // Output rows [n0, n1) against every input row: R weight rows at a time against MG input rows
-// at a time (MG x R accumulators fit the registers), then single leftover rows.
-template <Kind KD, int MG, int R>
+// at a time, then single leftover rows.
+template <Kind KD, int MG, int R, int U, Scales SL>
 void int_slice(const QuantX& xq, const Weights& w, const float* bias, float* y, int64_t M,
                int64_t N, int64_t n0, int64_t n1) {
   const int64_t K = w.K, B = K / kBlock;
@@ -526,8 +536,8 @@ void int_slice(const QuantX& xq, const Weights& w, const float* bias, float* y, 
     int64_t m = 0;
     auto call = [&](auto mg) {
       constexpr int G = decltype(mg)::value;
-      int_rows_dot<KD, G, RR>(xq.q.data() + m * K, xq.scale.data() + m * B,
-                              xq.sum.data() + m * B, B, w, n, bias, y + m * N + n, N);
+      int_rows_dot<KD, G, RR, U, SL>(xq.q.data() + m * K, xq.scale.data() + m * B,
+                                     xq.sum.data() + m * B, B, w, n, bias, y + m * N + n, N);
     };
     for (; m + MG <= M; m += MG) call(std::integral_constant<int, MG>{});
     for (; m < M; ++m) call(std::integral_constant<int, 1>{});
@@ -537,14 +547,14 @@ void int_slice(const QuantX& xq, const Weights& w, const float* bias, float* y, 
   for (; n < n1; ++n) rows(std::integral_constant<int, 1>{}, n);
 }
 
-template <Kind KD, int MG, int R>
+template <Kind KD, int MG, int R, int U, Scales SL>
 void run_int(const QuantX& xq, const Weights& w, const float* bias, float* y, int64_t M,
              int64_t N) {
   const int64_t groups = (N + R - 1) / R;
   const int64_t grain =
       std::max<int64_t>(1, (int64_t{16} << 10) / std::max<int64_t>(1, R * row_bytes<KD>(w.K)));
   at::parallel_for(0, groups, grain, [&](int64_t g0, int64_t g1) {
-    int_slice<KD, MG, R>(xq, w, bias, y, M, N, g0 * R, std::min(g1 * R, N));
+    int_slice<KD, MG, R, U, SL>(xq, w, bias, y, M, N, g0 * R, std::min(g1 * R, N));
   });
 }
 
@@ -552,14 +562,31 @@ template <Kind KD>
 void run_int_small_m(const float* x, const Weights& w, const float* bias, float* y, int64_t M,
                      int64_t N) {
   const QuantX xq = quantize_x(x, M, w.K);
-  // 4 rows of weight at a time (4 memory streams; 8 measured no faster), against 2 input rows
-  // at a time when their accumulators fit 16 registers (int8 per channel keeps two each: a
-  // group's and the total), else 1.
-  const bool one_acc = KD == Kind::kQ4 || w.g <= kBlock;
-  if (M == 1 || one_acc) {
-    run_int<KD, 2, 4>(xq, w, bias, y, M, N);
+  // Measured per layout (scripts/bench_small_m.py): int8 streams best one row at a time with 4
+  // blocks side by side (4 rows side by side: ~30 % slower at one input row; the hardware
+  // prefetcher follows one ascending stream better than four interleaved ones), 2 rows at a
+  // time for 2-4 input rows; 4-bit rows (288 bytes here) are short enough that the per-row
+  // work dominates: 4 rows at a time, for any M.
+  auto run = [&](auto sl) {
+    constexpr Scales SL = decltype(sl)::value;
+    if constexpr (KD == Kind::kQ4) {
+      if (M == 1) {
+        run_int<KD, 1, 4, 1, SL>(xq, w, bias, y, M, N);
+      } else {
+        run_int<KD, 2, 4, 1, SL>(xq, w, bias, y, M, N);
+      }
+    } else if (M == 1) {
+      run_int<KD, 1, 1, 4, SL>(xq, w, bias, y, M, N);
+    } else {
+      run_int<KD, 2, 2, 1, SL>(xq, w, bias, y, M, N);
+    }
+  };
+  if (KD == Kind::kQ4 || w.g == kBlock) {
+    run(std::integral_constant<Scales, Scales::kPerBlock>{});
+  } else if (w.g == 16) {
+    run(std::integral_constant<Scales, Scales::kPer16>{});
   } else {
-    run_int<KD, 2, 2>(xq, w, bias, y, M, N);
+    run(std::integral_constant<Scales, Scales::kPerGroup>{});
   }
 }
 
