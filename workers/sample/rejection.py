@@ -28,6 +28,7 @@ from engine.protocol import SampledLogprobs
 from workers.sample.sampler import (
     Sampler,
     SamplingState,
+    argmax_rows,
     logprob_entries,
     penalized,
     processed_probs,
@@ -71,7 +72,7 @@ def verify(sampler: Sampler, logits: torch.Tensor, seqs: list[Verification]
 
 
 def _greedy(scores: torch.Tensor, drafts: list[int]) -> list[int]:
-    best = scores.argmax(dim=-1).tolist()
+    best = argmax_rows(scores).tolist()
     tokens = []
     for j, draft in enumerate(drafts):
         if draft != best[j]:

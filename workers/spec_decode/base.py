@@ -21,7 +21,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.sample.sampler import Sampler, SamplingState, penalized, processed_probs
+from workers.sample.sampler import (
+    Sampler,
+    SamplingState,
+    argmax_rows,
+    penalized,
+    processed_probs,
+)
 
 
 @dataclass
@@ -102,7 +108,7 @@ def extend_drafts(sampler: Sampler, requests: list[DraftRequest], drafts: list[D
     probs = None if all(greedy) else processed_probs(scores, states, greedy)
     for i, (state, draft) in enumerate(zip(states, drafts)):
         if greedy[i]:
-            draft.tokens.append(int(scores[i].argmax()))
+            draft.tokens.append(int(argmax_rows(scores[i: i + 1])[0]))
             continue
         draft.tokens.append(sampler.draw(state, probs[i]))
         draft.probs.append(probs[i])
