@@ -30,9 +30,9 @@ class LinearWeights:
     """One linear as the op reads it: the plain [out, in] weight (read by the small-M kernel up
     to 4 rows; EMPTY when only the packed copy is kept) and the oneDNN-packed one (used above 4
     rows; None: the small-M kernel throughout). A quantized weight (int8, fp8 or 4-bit: plain is
-    its qweight, with its scales and mins, workers/quantization/weight.py) has no packed copy:
-    the quantized small-M kernel takes it, and above 4 rows the integer GEMM when it is int8
-    in groups of a multiple of 32, or 4-bit."""
+    its qweight, with its scales and mins, workers/quantization/weight.py): the quantized
+    small-M kernel takes it, and above 4 rows the integer GEMM when it is int8 in groups of a
+    multiple of 32, or 4-bit; `packed` is then the GEMM's pre-packed tiles, if kept."""
 
     plain: torch.Tensor
     packed: torch.Tensor | None

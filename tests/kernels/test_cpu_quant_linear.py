@@ -82,6 +82,8 @@ def test_int_gemm_matches_reference(kind: str, k: int, group: int, m: int, n: in
     ref = ql.reference(ql.quantize_activations(x), w.dequantize(), bias)
     out = ql.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins, bias)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+    tiles = ql.quant_linear_pack(w.qweight, w.scales, w.mins)  # packed once: the same sums
+    assert torch.equal(ql.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins, bias, tiles), out)
     w16 = QuantizedWeight(w.qweight, w.scales.half(), None if w.mins is None else w.mins.half())
     half = ql.quant_linear_int_gemm(x.view(1, m, k), w16.qweight, w16.scales, w16.mins)  # 3-D x
     torch.testing.assert_close(half[0], ql.reference(ql.quantize_activations(x),
@@ -103,6 +105,15 @@ def test_int_gemm_extremes_do_not_overflow(sign: float) -> None:
         ref = ql.reference(ql.quantize_activations(x), w.dequantize())
         assert ref.abs().min() > 900  # 64 x 15 or 64 x 128: the extremes were reached
         torch.testing.assert_close(out, ref, rtol=1e-6, atol=0)
+
+
+def test_int_gemm_refuses_tiles_of_another_weight() -> None:
+    gen = torch.Generator().manual_seed(5)
+    w = weight(gen, "int8", 40, 64, 64)
+    other = weight(gen, "int8", 24, 64, 64)
+    tiles = ql.quant_linear_pack(other.qweight, other.scales)
+    with pytest.raises(RuntimeError, match="tiles are not quant_linear_pack's"):
+        ql.quant_linear_int_gemm(torch.randn(8, 64), w.qweight, w.scales, None, None, tiles)
 
 
 def test_int_gemm_refuses_other_layouts() -> None:

@@ -43,6 +43,28 @@ def test_four_bit_weights_round_activations_at_every_row_count(rows: int) -> Non
     torch.testing.assert_close(mm(x), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout", ["int8 per channel", "Q8_0", "4-bit"])
+def test_pre_packed_weights_compute_what_packing_per_call_does(layout: str) -> None:
+    """The integer GEMM's weight packed once (the default) or per call (`pack=False`, what
+    --cpu-linear-weights plain keeps): the same arithmetic, bit for bit."""
+    gen = torch.Generator().manual_seed(4)
+    if layout == "4-bit":
+        weight = QuantizedWeight(torch.randint(0, 256, (40, 64), generator=gen, dtype=torch.uint8),
+                                 torch.rand(40, 4, generator=gen).half() * 0.01,
+                                 torch.randn(40, 4, generator=gen).half() * 0.01)
+    elif layout == "Q8_0":
+        weight = QuantizedWeight(torch.randint(-127, 128, (40, 128), generator=gen,
+                                               dtype=torch.int8),
+                                 torch.rand(40, 4, generator=gen).half() * 0.01)
+    else:
+        weight = quantize_int8(float_weight(40))
+    packed, per_call = QuantizedMatmul(weight, None), QuantizedMatmul(weight, None, pack=False)
+    assert packed.tiles is not None and per_call.tiles is None
+    assert packed.nbytes() > per_call.nbytes()
+    x = torch.randn(37, 128, generator=gen)
+    assert torch.equal(packed(x), per_call(x))
+
+
 def test_other_layouts_take_float_activations_above_four_rows() -> None:
     """fp8 (and Q6_K's groups of 16) multiply dequantized tiles: activations as they are."""
     gen = torch.Generator().manual_seed(3)

@@ -14,6 +14,7 @@ The two fast paths need different copies of a weight. `finalize(copies=...)` kee
 fastest path at every batch size, twice the weight memory), "packed" (oneDNN at every batch
 size: batch-1 decode is slower) or "plain" (the small-M kernel, then F.linear above 4 rows).
 The loader picks per model (`resolve_weight_copies`): both while the second copy is cheap.
+Quantized weights keep the integer GEMM's repacked copy too unless "plain" (QuantizedMatmul).
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ class Linear(nn.Module):
         """Called once after the weights are loaded; `copies`: both, packed or plain;
         `quantization`: None (as loaded), none (float), int8 or fp8 (engine/config.py)."""
         self._b = None if self.bias is None else self.bias.data
-        if self._finalize_quantized(quantization):
+        if self._finalize_quantized(quantization, pack=copies != "plain"):
             return
         w = self.weight.data
         native = w.is_contiguous() and cpu_linear.available(w, self.bias)
@@ -93,8 +94,9 @@ class Linear(nn.Module):
                 self.weight.data = torch.empty(0)  # the packed copy is the only one needed
         self._w = self.weight.data
 
-    def _finalize_quantized(self, quantization: str | None) -> bool:
-        """Settle the weight's final form; True when it ends quantized."""
+    def _finalize_quantized(self, quantization: str | None, pack: bool = True) -> bool:
+        """Settle the weight's final form; True when it ends quantized. `pack`: keep the
+        integer GEMM's pre-packed copy too (QuantizedMatmul)."""
         parts = list(self.quantized_parts.values())
         self.quantized_parts = {}
         if quantization == "none" or (quantization is not None and parts and any(
@@ -112,10 +114,10 @@ class Linear(nn.Module):
             return False
         if len(parts) > 1 and len({(p.kind, p.group_size) for p in parts}) > 1:
             # Parts quantized differently (a Q4_K_M GGUF's q|k|v): one product each.
-            self.quant = _ConcatMatmul([QuantizedMatmul(p, None) for p in parts], self._b)
+            self.quant = _ConcatMatmul([QuantizedMatmul(p, None, pack) for p in parts], self._b)
         else:
             self.quant = QuantizedMatmul(cat_rows(parts) if len(parts) > 1 else parts[0],
-                                         self._b)
+                                         self._b, pack)
         self.weight.data = torch.empty(0)
         self._w = self.weight.data
         return True
@@ -127,7 +129,7 @@ class Linear(nn.Module):
             if not isinstance(q, QuantizedMatmul) or not q.native:
                 return None
             # (With FBGEMM opted in, more than 4 rows stay on the Python path that calls it.)
-            return LinearWeights(q.weight.qweight, None, self._b, q.weight.scales, q.weight.mins,
+            return LinearWeights(q.weight.qweight, q.tiles, self._b, q.weight.scales, q.weight.mins,
                                  int_gemm=q.int_gemm and q.packed is None)
         if not (self.small_m or self.packed is not None):
             return None
@@ -177,7 +179,7 @@ class MergedLinear(Linear):
             # Loaded in any order; fused in the order of the parts.
             self.quantized_parts = {p: self.quantized_parts[p] for p in self.parts}
 
-    def _finalize_quantized(self, quantization: str | None) -> bool:
+    def _finalize_quantized(self, quantization: str | None, pack: bool = True) -> bool:
         if self.quantized_parts and len(self.quantized_parts) < len(self.parts):
             missing = sorted(set(self.parts) - set(self.quantized_parts))
             # Some parts came as floats: make them the same kind of weight as the others.
@@ -185,7 +187,7 @@ class MergedLinear(Linear):
                 offset, size = self.parts[part]
                 self.quantized_parts[part] = quantize_int8(self.weight.data[offset:offset + size])
             self.quantized_parts = {p: self.quantized_parts[p] for p in self.parts}
-        return super()._finalize_quantized(quantization)
+        return super()._finalize_quantized(quantization, pack)
 
 
 class PlainWeight(nn.Module):

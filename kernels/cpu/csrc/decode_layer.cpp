@@ -32,7 +32,8 @@ constexpr int64_t kSmallM = 4;  // workers/layers/linear.py SMALL_M
 
 // y = x W^T (+ b): the small-M kernel on the plain weight, or oneDNN on the packed one. A
 // linear may keep only one copy: an empty plain weight means packed only, no packed one means
-// the small-M kernel at every row count. With scales, the weight is quantized.
+// the small-M kernel at every row count. With scales, the weight is quantized, and `packed`
+// is the integer GEMM's pre-packed tiles (quant_linear_pack), if kept.
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor& packed,
                   const OptTensor& bias, const OptTensor& scales, const OptTensor& mins) {
   static const auto small_m =
@@ -43,10 +44,10 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
                     const OptTensor&)>("deepinfer_cpu::quant_linear_small_m");
   static const auto int_gemm =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                    const OptTensor&)>("deepinfer_cpu::quant_linear_int_gemm");
+                    const OptTensor&, const OptTensor&)>("deepinfer_cpu::quant_linear_int_gemm");
   if (scales.has_value()) {  // above 4 rows int8 / 4-bit weights only (the GEMM checks)
     return x.size(0) <= kSmallM ? quant_small_m.call(x, weight, *scales, mins, bias)
-                                : int_gemm.call(x, weight, *scales, mins, bias);
+                                : int_gemm.call(x, weight, *scales, mins, bias, packed);
   }
   static const auto onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
