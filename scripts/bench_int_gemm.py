@@ -3,9 +3,10 @@
 Kernel level, one process, the four alternating (this VM drifts from minute to minute):
 
 * int GEMM   - `quant_linear_int_gemm`, int8 weights per output channel (random, the model's
-               shapes), activations int8 per block of 32
+               shapes), activations int8 per block of 32, the weight pre-packed once
+               (`quant_linear_pack`, as the engine keeps it); "per call": packed every call
 * 4-bit GEMM - the same kernel on 4-bit weights in groups of 32 with scales and mins (Q4_1's
-               layout, as the shipped GGUF serves)
+               layout, as the shipped GGUF serves), pre-packed
 * dequant    - `quant_linear_dequant`, the same weights through dequantized tiles + float32 GEMM
 * oneDNN     - float32 weights packed for oneDNN, what the float32 model runs
 
@@ -46,13 +47,18 @@ def main(argv: list[str] | None = None) -> int:
            torch.rand(n, k // 32, generator=gen) * 0.01,
            torch.rand(n, k // 32, generator=gen) * 0.01) for n, k in SHAPES]
     packed = [torch.ops.mkldnn._reorder_linear_weight(q.float() * s, 64) for q, s in int8]
+    tiles8 = [ql.quant_linear_pack(q, s) for q, s in int8]
+    tiles4 = [ql.quant_linear_pack(q, s, m) for q, s, m in q4]
     for rows in args.rows:
         xs = {k: torch.randn(rows, k, generator=gen) for k in (576, 1536)}
         runs = {
-            "int GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[q.shape[1]], q, s)
+            "int GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[q.shape[1]], q, s, None, None, t)
+                                       for (q, s), t in zip(int8, tiles8)],
+            "per call": lambda xs=xs: [ql.quant_linear_int_gemm(xs[q.shape[1]], q, s)
                                        for q, s in int8],
-            "4-bit GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[2 * q.shape[1]], q, s, m)
-                                         for q, s, m in q4],
+            "4-bit GEMM": lambda xs=xs: [ql.quant_linear_int_gemm(xs[2 * q.shape[1]], q, s, m,
+                                                                  None, t)
+                                         for (q, s, m), t in zip(q4, tiles4)],
             "dequant": lambda xs=xs: [ql.quant_linear_dequant(xs[q.shape[1]], q, s)
                                       for q, s in int8],
             "oneDNN": lambda xs=xs: [torch.ops.mkldnn._linear_pointwise(
