@@ -411,6 +411,12 @@ inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const flo
     }
   }
   float sbuf[kPer * kChunk], ds[R][MG][kPer * kChunk];  // ds: the chunk's combined scales
+  // Rows in one chunk (B <= kChunk, per-block scales): the R rows' scales and mins are
+  // contiguous, converted in one go (no per-row tails).
+  const bool whole = SL == Scales::kPerBlock && B <= kChunk && R > 1;
+  float rsbuf[R > 1 ? R * kChunk : 1], rmbuf[R > 1 && KD == Kind::kQ4 ? R * kChunk : 1];
+  const float* rsc = whole ? floats_at(w, w.scale, n * G, R * G, rsbuf) : nullptr;
+  const float* rmn = whole && KD == Kind::kQ4 ? floats_at(w, w.min, n * G, R * G, rmbuf) : nullptr;
   // UC blocks side by side from block b (b0: the chunk's first).
   auto blocks = [&](auto uc, int64_t b, int64_t b0) {
     constexpr int UC = decltype(uc)::value;
@@ -459,7 +465,8 @@ inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const flo
           }
         }
       } else {
-        const float* sc = floats_at(w, w.scale, (n + r) * G + kPer * b0, kPer * nb, sbuf);
+        const float* sc = whole ? rsc + r * G
+                                : floats_at(w, w.scale, (n + r) * G + kPer * b0, kPer * nb, sbuf);
 #pragma GCC unroll 16
         for (int m = 0; m < MG; ++m) {
           int64_t i = 0;
@@ -472,7 +479,7 @@ inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const flo
         }
       }
       if constexpr (KD == Kind::kQ4) {  // a 4-bit group is one block: block sums line up
-        const float* mn = floats_at(w, w.min, (n + r) * G + b0, nb, sbuf);
+        const float* mn = whole ? rmn + r * G : floats_at(w, w.min, (n + r) * G + b0, nb, sbuf);
 #pragma GCC unroll 16
         for (int m = 0; m < MG; ++m) min_terms[m][r] += dot(mn, xs + m * B + b0, nb);
       }
@@ -487,8 +494,21 @@ inline void int_rows_dot(const int8_t* __restrict xq, const float* xd, const flo
     for (int r = 0; r < R; ++r) {
 #pragma GCC unroll 16
       for (int u = 1; u < U; ++u) total[m][r][0] = _mm256_add_ps(total[m][r][0], total[m][r][u]);
-      y[m * ldy + r] = vsum(total[m][r][0]) + min_terms[m][r] +
-                       (bias != nullptr ? bias[n + r] : 0.f);
+    }
+    if constexpr (R == 4) {  // the 4 rows' horizontal sums at once
+      const __m256 h01 = _mm256_hadd_ps(total[m][0][0], total[m][1][0]);
+      const __m256 h23 = _mm256_hadd_ps(total[m][2][0], total[m][3][0]);
+      const __m256 h = _mm256_hadd_ps(h01, h23);
+      __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      sums = _mm_add_ps(sums, _mm_loadu_ps(min_terms[m]));
+      if (bias != nullptr) sums = _mm_add_ps(sums, _mm_loadu_ps(bias + n));
+      _mm_storeu_ps(y + m * ldy, sums);
+    } else {
+#pragma GCC unroll 16
+      for (int r = 0; r < R; ++r) {
+        y[m * ldy + r] = vsum(total[m][r][0]) + min_terms[m][r] +
+                         (bias != nullptr ? bias[n + r] : 0.f);
+      }
     }
   }
 }
@@ -500,27 +520,27 @@ inline void int_rows_dot(const int8_t* xq, const float* xd, const float* xs, int
                          int64_t ldy) {
   const int64_t K = w.K, G = w.G, g = w.g;
   for (int64_t row = n; row < n + R; ++row) {
-  const uint8_t* wr = w.q + row * row_bytes<KD>(K);
-  for (int m = 0; m < MG; ++m) {
-    float total = 0.f;
-    for (int64_t b = 0; b < B; ++b) {
-      int32_t sums[2] = {0, 0};  // elements 0-15, 16-31 of the block
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const int64_t e = b * kBlock + k;
-        const uint8_t byte = wr[b * 16 + (k & 15)];  // 4-bit: element k's byte
-        const int32_t q = KD != Kind::kQ4 ? static_cast<int8_t>(wr[e])
-                                           : (k < 16 ? byte & 0xF : byte >> 4);
-        sums[k / 16] += q * xq[m * K + e];
+    const uint8_t* wr = w.q + row * row_bytes<KD>(K);
+    for (int m = 0; m < MG; ++m) {
+      float total = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t sums[2] = {0, 0};  // elements 0-15, 16-31 of the block
+        for (int64_t k = 0; k < kBlock; ++k) {
+          const int64_t e = b * kBlock + k;
+          const uint8_t byte = wr[b * 16 + (k & 15)];  // 4-bit: element k's byte
+          const int32_t q = KD != Kind::kQ4 ? static_cast<int8_t>(wr[e])
+                                             : (k < 16 ? byte & 0xF : byte >> 4);
+          sums[k / 16] += q * xq[m * K + e];
+        }
+        const float d = xd[m * B + b];
+        for (int h = 0; h < 2; ++h) {
+          const int64_t gi = (b * kBlock + h * 16) / g;
+          total += sums[h] * scalar(w, w.scale, row * G + gi) * d;
+        }
+        if constexpr (KD == Kind::kQ4) total += scalar(w, w.min, row * G + b) * xs[m * B + b];
       }
-      const float d = xd[m * B + b];
-      for (int h = 0; h < 2; ++h) {
-        const int64_t gi = (b * kBlock + h * 16) / g;
-        total += sums[h] * scalar(w, w.scale, row * G + gi) * d;
-      }
-      if constexpr (KD == Kind::kQ4) total += scalar(w, w.min, row * G + b) * xs[m * B + b];
+      y[m * ldy + row - n] = total + (bias != nullptr ? bias[row] : 0.f);
     }
-    y[m * ldy + row - n] = total + (bias != nullptr ? bias[row] : 0.f);
-  }
   }
 }
 #endif
