@@ -88,7 +88,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # Copies of each linear weight on CPU: both (fastest at every batch size, 2x memory),
     # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while
     # the second copy costs at most an eighth of RAM). int8 / 4-bit weights: the integer
-    # GEMM's repacked copy is kept unless plain.
+    # GEMM's repacked copy is the second one (kept with both).
     cpu_linear_weights: str = "auto"
     # Linear weights (QUANTIZATIONS); None: as the checkpoint has them (an fp8 checkpoint's
     # config says so, a GGUF's tensors keep their types, anything else stays float).

@@ -65,8 +65,7 @@ def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "aut
                 f"workers only so far: --device cpu, or a float checkpoint on {device.type}")
         model.to(device)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    copies = resolve_weight_copies(weight_copies, sum(
-        m.weight.numel() * m.weight.element_size() for m in linears))
+    copies = resolve_weight_copies(weight_copies, sum(m.second_copy_bytes() for m in linears))
     # Weights final: packing and hot-path choices, each module after the ones inside it.
     for module in reversed(list(model.modules())):
         if isinstance(module, Linear):

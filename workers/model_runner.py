@@ -41,7 +41,6 @@ from workers.structured.masks import MaskedRows, accept, allowed_drafts, fill_bi
 log = logging.getLogger("deepinfer.worker")
 
 
-
 def rows_of(t: torch.Tensor, index: list[int]) -> torch.Tensor:
     """t's rows at `index`: a view when they are consecutive (a batch's logit rows usually
     are), else one index_select (advanced indexing costs ~3x more on CPU: ~45 us a step)."""

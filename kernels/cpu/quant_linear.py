@@ -57,7 +57,7 @@ def quant_linear_pack(qweight: torch.Tensor, scales: torch.Tensor,
     """The weight as the integer GEMM reads it, made once: per 16 output rows, the int8 values
     (4-bit: unpacked to bytes) in groups of 4 along K, then the scales (and mins) per block of
     32 as floats; int32 [ceil(N / 16), ints]. int8 weights: +12.5 % over their bytes; 4-bit:
-    2.25x theirs. Empty where the GEMM has no packed form (a CPU without AVX2)."""
+    2.5x theirs. Empty where the GEMM has no packed form (a CPU without AVX2)."""
     return _OP.sibling("quant_linear_pack")(qweight, scales, mins)
 
 

@@ -31,6 +31,39 @@ def test_every_choice_matches_f_linear(copies, rows):
                                atol=1e-4)
 
 
+@pytest.mark.parametrize("copies", ["both", "packed", "plain"])
+def test_quantized_weights_keep_the_gemm_copy_only_with_both(copies):
+    """int8 at load: the quantized weight always (the decode kernel reads it), the integer
+    GEMM's pre-packed copy as the second one; both compute the same."""
+    from kernels.cpu import quant_linear as ql
+    from workers.quantization.matmul import packed_bytes
+    if not ql.available(torch.empty(1)):
+        pytest.skip(f"not built: {ql.build_error()}")
+    torch.manual_seed(1)
+    lin = Linear(128, 40)
+    lin.weight.data.normal_()
+    lin.finalize(copies, "int8")
+    assert (lin.quant.tiles is not None) == (copies == "both")
+    if copies == "both":
+        assert lin.quant.tiles.numel() * 4 == packed_bytes(lin.quant.weight)
+    x = torch.randn(9, 128)
+    torch.testing.assert_close(lin(x), ql.reference(ql.quantize_activations(x),
+                                                    lin.quant.weight.dequantize()),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_auto_counts_a_quantized_checkpoint_by_its_packed_copy():
+    """A GGUF's linears hold no float weight: what `auto` weighs is the GEMM copy they would
+    add (4-bit: 2.5x its bytes)."""
+    from workers.quantization.matmul import packed_bytes
+    from workers.quantization.weight import QuantizedWeight
+    lin = Linear(128, 40)
+    q4 = QuantizedWeight(torch.zeros(40, 64, dtype=torch.uint8), torch.ones(40, 4),
+                         torch.zeros(40, 4))
+    lin.load_quantized(q4)
+    assert lin.second_copy_bytes() == packed_bytes(q4) == 48 * (128 + 4 * 4 * 2)
+
+
 def test_packed_only_drops_the_plain_weight():
     both, packed = Linear(64, 64), Linear(64, 64)
     for lin in (both, packed):

@@ -14,7 +14,8 @@ The two fast paths need different copies of a weight. `finalize(copies=...)` kee
 fastest path at every batch size, twice the weight memory), "packed" (oneDNN at every batch
 size: batch-1 decode is slower) or "plain" (the small-M kernel, then F.linear above 4 rows).
 The loader picks per model (`resolve_weight_copies`): both while the second copy is cheap.
-Quantized weights keep the integer GEMM's repacked copy too unless "plain" (QuantizedMatmul).
+Quantized weights keep the integer GEMM's repacked copy too with "both" (QuantizedMatmul); with
+one copy, the quantized weight itself (the decode kernel reads it; the GEMM repacks per call).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from kernels.cpu import linear as cpu_linear
 from kernels.cpu.decode_layer import EMPTY, LinearWeights
 from workers.layers.checkpoint_tensor import materialize
 from workers.quantization.fp8 import quantize_fp8_weight
-from workers.quantization.matmul import QuantizedMatmul
+from workers.quantization.matmul import QuantizedMatmul, packed_bytes
 from workers.quantization.weight import QuantizedWeight, cat_rows, quantize_int8
 
 SMALL_M = 4  # largest batch the weight-streaming kernel handles better than a GEMM
@@ -83,7 +84,7 @@ class Linear(nn.Module):
         """Called once after the weights are loaded; `copies`: both, packed or plain;
         `quantization`: None (as loaded), none (float), int8 or fp8 (engine/config.py)."""
         self._b = None if self.bias is None else self.bias.data
-        if self._finalize_quantized(quantization, pack=copies != "plain"):
+        if self._finalize_quantized(quantization, pack=copies == "both"):
             return
         w = self.weight.data
         native = w.is_contiguous() and cpu_linear.available(w, self.bias)
@@ -121,6 +122,13 @@ class Linear(nn.Module):
         self.weight.data = torch.empty(0)
         self._w = self.weight.data
         return True
+
+    def second_copy_bytes(self) -> int:
+        """Before `finalize`: what keeping both copies adds (the oneDNN-packed float weight, or
+        the integer GEMM's packed quantized one)."""
+        if self.quantized_parts:
+            return sum(packed_bytes(p) for p in self.quantized_parts.values())
+        return self.weight.numel() * self.weight.element_size()
 
     def weights(self) -> LinearWeights | None:
         """The weights as the one-call decode layer reads them; None when it cannot."""

@@ -5,10 +5,10 @@
   weights meet int8 activations there, per block of 32, which leaves the default model's greedy
   text as weight-only int8 has it.
 - More rows, int8 weights in groups of a multiple of 32 (per channel, Q8_0) and 4-bit ones:
-  the native integer GEMM, with the same numerics (activations int8 per block of 32): ~1.5x
+  the native integer GEMM, with the same numerics (activations int8 per block of 32): ~1.8x
   oneDNN's float32 at 64 rows here. A batch's rows then round as a lone decode row does. The
   GEMM reads the weight repacked (groups of 4 along K per 16 output rows, scales per block as
-  floats); kept once made (`pack`, the default: +1.125x an int8 weight's bytes, +2.25x a 4-bit
+  floats); kept once made (`pack`, the default: +1.125x an int8 weight's bytes, +2.5x a 4-bit
   one's; 64 rows of the default model's linears 76 -> 65 ms int8, 54 -> 47 ms 4-bit), else
   made per call.
 - More rows, other layouts (fp8, Q6_K's groups of 16): dequantized tiles and a float32 GEMM,
@@ -52,6 +52,15 @@ def int_gemm_takes(weight: QuantizedWeight) -> bool:
     """True for the weights the native integer GEMM multiplies: int8 in groups of a multiple of
     32 elements (per channel, Q8_0), and 4-bit."""
     return weight.kind in ("int8", "q4") and weight.group_size % 32 == 0
+
+
+def packed_bytes(weight: QuantizedWeight) -> int:
+    """What the integer GEMM's pre-packed copy of `weight` takes (0: it takes no such copy)."""
+    if not int_gemm_takes(weight):
+        return 0
+    rows, k = weight.shape
+    per_row = k + (k // 32) * 4 * (2 if weight.kind == "q4" else 1)  # values, scales (+ mins)
+    return -(-rows // 16) * 16 * per_row
 
 
 class QuantizedMatmul:
