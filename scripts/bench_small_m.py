@@ -30,8 +30,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from kernels.cpu import quant_linear as ql  # noqa: E402
+from scripts.bench_int_gemm import SHAPES as LAYERS  # noqa: E402
 
-SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)]
+SHAPES = LAYERS + [(49152, 576)]  # the layers' linears and the head
 
 
 def weights(layout: str, gen: torch.Generator) -> list[tuple]:

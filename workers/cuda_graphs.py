@@ -75,10 +75,10 @@ class _Buffers:
             tables = meta.decode_blocks.view(b, -1)
             mine.decode_tables.zero_()
             mine.decode_tables[:b, : tables.shape[1]].copy_(tables)
-            mine.decode_lo_dev.zero_()
-            mine.decode_hi_dev.zero_()
             mine.decode_lo_dev[:b].copy_(meta.decode_lo)
+            mine.decode_lo_dev[b:].zero_()
             mine.decode_hi_dev[:b].copy_(meta.decode_hi)
+            mine.decode_hi_dev[b:].zero_()
 
 
 class DecodeGraphs:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernels.cpu import quant_linear as ql
 from workers.layers.linear import Linear, resolve_weight_copies
+from workers.quantization.matmul import packed_bytes
+from workers.quantization.weight import QuantizedWeight
 
 
 def test_auto_keeps_both_copies_only_while_they_are_cheap():
@@ -31,14 +34,11 @@ def test_every_choice_matches_f_linear(copies, rows):
                                atol=1e-4)
 
 
+@pytest.mark.skipif(not ql.available(torch.empty(1)), reason=f"not built: {ql.build_error()}")
 @pytest.mark.parametrize("copies", ["both", "packed", "plain"])
 def test_quantized_weights_keep_the_gemm_copy_only_with_both(copies):
     """int8 at load: the quantized weight always (the decode kernel reads it), the integer
     GEMM's pre-packed copy as the second one; both compute the same."""
-    from kernels.cpu import quant_linear as ql
-    from workers.quantization.matmul import packed_bytes
-    if not ql.available(torch.empty(1)):
-        pytest.skip(f"not built: {ql.build_error()}")
     torch.manual_seed(1)
     lin = Linear(128, 40)
     lin.weight.data.normal_()
@@ -55,8 +55,6 @@ def test_quantized_weights_keep_the_gemm_copy_only_with_both(copies):
 def test_auto_counts_a_quantized_checkpoint_by_its_packed_copy():
     """A GGUF's linears hold no float weight: what `auto` weighs is the GEMM copy they would
     add (4-bit: 2.5x its bytes)."""
-    from workers.quantization.matmul import packed_bytes
-    from workers.quantization.weight import QuantizedWeight
     lin = Linear(128, 40)
     q4 = QuantizedWeight(torch.zeros(40, 64, dtype=torch.uint8), torch.ones(40, 4),
                          torch.zeros(40, 4))

@@ -601,7 +601,9 @@ void run_int_small_m(const float* x, const Weights& w, const float* bias, float*
       run_int<KD, 2, 2, 1, SL>(xq, w, bias, y, M, N);
     }
   };
-  if (KD == Kind::kQ4 || w.g == kBlock) {
+  if constexpr (KD == Kind::kQ4) {  // groups of 32: a scale a block
+    run(std::integral_constant<Scales, Scales::kPerBlock>{});
+  } else if (w.g == kBlock) {
     run(std::integral_constant<Scales, Scales::kPerBlock>{});
   } else if (w.g == 16) {
     run(std::integral_constant<Scales, Scales::kPer16>{});
