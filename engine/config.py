@@ -14,12 +14,13 @@ from pathlib import Path
 import msgspec
 
 from engine import envs
-from engine.kv_spec import KVCacheSpec
+from engine.kv_spec import KV, KVCacheSpec
 from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
-           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS", "DEVICES"]
+           "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS", "DEVICES",
+           "KV_CACHE_DTYPES"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
@@ -28,6 +29,10 @@ KV_TRANSFER_BACKENDS = ("zmq", "nixl")
 # --quantization: weights as stored (none: float, dequantizing a quantized checkpoint), int8
 # (weight-only, per output channel, quantized at load) or fp8 (e4m3, 128 x 128 block scales).
 QUANTIZATIONS = ("none", "int8", "fp8")
+# --kv-cache-dtype: what the paged KV cache stores. auto: --dtype. float16 / bfloat16 under a
+# float32 model halve the cache's bytes (twice the tokens in the same --kv-cache-gb, half the
+# bytes decode attention reads); attention still computes in float32.
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --device: where the workers compute. auto: a CUDA GPU per rank when torch sees one, else the
 # CPU (workers/device.py resolves it in each worker, the only processes that import torch).
 DEVICES = ("auto", "cpu", "cuda")
@@ -45,6 +50,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     model: str = "default"
     served_model_name: str | None = None
     dtype: str = "float32"
+    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
     block_size: int = 16
     # KV cache size: an explicit block count wins over a memory budget.
     num_kv_blocks: int | None = None
@@ -171,6 +177,23 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  f"--quantization {self.quantization} computes in float32 (not --dtype "
                  f"{self.dtype})")
 
+    def kv_dtype(self) -> str:
+        """The KV cache's element type: --kv-cache-dtype, or --dtype under auto."""
+        return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
+
+    def check_kv_cache_dtype(self) -> None:
+        """Raise ModelConfigError, naming the flag, for a KV cache type this model cannot keep.
+        Reads the model's config: call it once --model is resolved."""
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                 f"not {self.kv_cache_dtype!r}")
+        if self.kv_dtype() == self.dtype:
+            return
+        other = sorted({layer.entry for layer in self.kv_cache_spec().layers} - {KV})
+        _require(not other, f"--kv-cache-dtype {self.kv_cache_dtype}: the model's "
+                            f"{', '.join(other)} cache entries keep --dtype {self.dtype} (only "
+                            "key/value caches take another type so far)")
+
     def check_device(self) -> None:
         """Raise ModelConfigError, naming the flag, for a device that cannot run this config.
 
@@ -193,6 +216,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                        "only so far (ngram works on either)")
         if self.disaggregation_mode != "none":
             out.append("--disaggregation-mode runs on CPU workers only so far")
+        if self.kv_dtype() != self.dtype:
+            out.append(f"--kv-cache-dtype {self.kv_cache_dtype} (other than --dtype) runs on "
+                       "CPU workers only so far")
         return out
 
     def check_disaggregation(self) -> None:
@@ -326,7 +352,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def kv_bytes_per_block(self, entries: list[int] | None = None) -> int:
         """Bytes of one block of these cache entries (default: all of them)."""
         spec = self.kv_cache_spec()
-        return spec.bytes_per_token(_DTYPE_BYTES[self.dtype], entries) * self.block_size
+        return spec.bytes_per_token(_DTYPE_BYTES[self.kv_dtype()], entries) * self.block_size
 
     def host_kv_blocks(self) -> int:
         """Host-tier blocks: they hold full-attention layers only."""

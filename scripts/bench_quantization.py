@@ -22,6 +22,9 @@ The Q8_0 GGUF is made from the Q4_1 file's values (scripts/gguf_to_f32.py IN OUT
 default model only ships as Q4_1.
 
     .venv/bin/python scripts/bench_quantization.py --result-file quant.json
+
+`--kv-cache-dtype float16` keeps DeepInfer's KV cache in float16, as llama.cpp keeps its own
+(default: float32, the model's dtype).
 """
 
 from __future__ import annotations
@@ -56,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-1-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=bench_peers.default_threads())
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "float32", "float16", "bfloat16"],
+                   help="DeepInfer's KV cache type in every row (llama.cpp's is float16)")
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--work-dir", default="/tmp/deepinfer-bench-quant",
                    help="where the Q8_0 GGUF is written")
@@ -81,7 +87,7 @@ def peer_args(args: argparse.Namespace, system: str, flags: list[str]) -> argpar
         "--systems", system, "--num-prompts", str(args.num_prompts),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--batch-1-tokens", str(args.batch_1_tokens), "--threads", str(args.threads),
-        "--repeats", "2", *flags])
+        "--repeats", "2", "--kv-cache-dtype", args.kv_cache_dtype, *flags])
 
 
 def median(values: list[float | None]) -> float | None:

@@ -69,14 +69,16 @@ class ModelRunner:
         # One (K, V) pair per layer, shaped by its spec; a slot is block * block_size + offset.
         self.tp = tp()  # tensor parallelism: this rank holds its share of the KV heads
         self.group = group()  # rank 0 samples for every rank
-        self.kv_caches = [self._kv_pair(self.num_blocks, layer, dtype) for layer in spec.layers]
+        kv_dtype = DTYPES[config.kv_dtype()]  # --kv-cache-dtype (auto: the model's)
+        self.kv_caches = [self._kv_pair(self.num_blocks, layer, kv_dtype)
+                          for layer in spec.layers]
         # The KV connector's worker half: the host tier (prefix-cache blocks evicted from the
         # device), full-attention entries only.
         host_blocks = config.host_kv_blocks()
         full = spec.layers_of(FULL)
         self.connector = HostTierWorker(
             [self.kv_caches[i] for i in full],
-            [self._kv_pair(host_blocks, spec.layers[i], dtype, host=True) for i in full]
+            [self._kv_pair(host_blocks, spec.layers[i], kv_dtype, host=True) for i in full]
         ) if host_blocks else None
         self.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)

@@ -68,8 +68,9 @@ class TransferCounters:
 
 class KVTransfer:
     def __init__(self, kv: KVManager, ranks: int, hold_timeout: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_dtype: str = "float32") -> None:
         self.kv = kv
+        self.kv_dtype = kv_dtype
         self.ranks = ranks
         self.hold_timeout = hold_timeout
         self.clock = clock
@@ -104,7 +105,8 @@ class KVTransfer:
         return KVTransferParams(
             do_remote_prefill=True, transfer_id=req.request_id,
             block_ids=[list(t) for t in req.tables], num_tokens=req.num_prompt,
-            block_size=self.kv.block_size, first_token=req.output_ids[0], first_logprobs=logprobs)
+            block_size=self.kv.block_size, first_token=req.output_ids[0], first_logprobs=logprobs,
+            kv_dtype=self.kv_dtype)
 
     def confirm(self, msg: KVTransferDone) -> None:
         """A rank's report that the decode side is done with a transfer."""

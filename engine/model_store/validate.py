@@ -76,6 +76,7 @@ def ensure_config(config: EngineConfig) -> EngineConfig:
     config.check_device()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))
     config.check_parallel()
+    config.check_kv_cache_dtype()
     if config.speculative_method == "draft":
         config = msgspec.structs.replace(
             config, speculative_model=_draft_model_dir(config.speculative_model))

@@ -48,6 +48,7 @@ class SchedulerConfig:
     speculative_disable_by_batch_size: int | None = None
     worker_ranks: int = 1  # every rank reports its KV transfers (disaggregation)
     kv_hold_timeout: float = 120.0  # prefill: a held prompt's KV is freed after this
+    kv_dtype: str = "float32"  # what the KV cache stores: a transfer's two ends must agree
 
 
 @dataclass
@@ -84,7 +85,8 @@ class Scheduler:
         self.spec = SpecPolicy(config.num_speculative_tokens,
                                config.speculative_disable_by_batch_size)
         # Prefill/decode disaggregation (engine/kvcache/transfer.py): held and pulled KV.
-        self.transfer = KVTransfer(self.kv, config.worker_ranks, config.kv_hold_timeout)
+        self.transfer = KVTransfer(self.kv, config.worker_ranks, config.kv_hold_timeout,
+                                   kv_dtype=config.kv_dtype)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -136,6 +138,9 @@ class Scheduler:
         if remote.block_size != self.config.block_size:
             return (f"block_size {remote.block_size} differs from this server's "
                     f"{self.config.block_size}")
+        if remote.kv_dtype and remote.kv_dtype != self.config.kv_dtype:
+            return (f"the prefill server's KV cache holds {remote.kv_dtype}, this server's "
+                    f"{self.config.kv_dtype} (--kv-cache-dtype)")
         if len(remote.block_ids) != len(self.config.kv_groups):
             return (f"{len(remote.block_ids)} KV groups, this model has "
                     f"{len(self.config.kv_groups)}")

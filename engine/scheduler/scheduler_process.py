@@ -55,6 +55,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
         worker_ranks=cfg.tensor_parallel_size,
         kv_hold_timeout=cfg.kv_hold_timeout,
+        kv_dtype=cfg.kv_dtype(),
     ))
 
 

@@ -28,16 +28,27 @@ def build_error() -> str | None:
     return _OP.error
 
 
+# What the kernel reads a KV cache as (--kv-cache-dtype): q and the output stay float32.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def available(*tensors: torch.Tensor | None) -> bool:
-    """True when the kernel is built (building it on first call) and takes these tensors."""
+    """True when the kernel is built (building it on first call) and takes these float32
+    tensors (q)."""
     return _OP.available(*tensors)
+
+
+def takes_cache(cache: torch.Tensor) -> bool:
+    """True when the kernel reads this KV cache (float32, float16 or bfloat16, on the CPU)."""
+    return cache.device.type == "cpu" and cache.dtype in CACHE_DTYPES
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """q [B, H, D]; caches [num_blocks, block_size, KVH, D]; block_tables [B, MB] int32/int64;
-    key_lo, key_hi [B] int32. Returns [B, H, D] float32. Call `available` first."""
+    """q [B, H, D] float32; caches [num_blocks, block_size, KVH, D] (CACHE_DTYPES); block_tables
+    [B, MB] int32/int64; key_lo, key_hi [B] int32. Returns [B, H, D] float32. Call `available`
+    and `takes_cache` first."""
     return _OP(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
 
 
@@ -48,8 +59,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     batch, heads, dim = q.shape
     kv_heads = k_cache.shape[2]
     blocks = block_tables.long().clamp(min=0).reshape(-1)
-    k = k_cache[blocks].view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B, KVH, L, D]
-    v = v_cache[blocks].view(batch, -1, kv_heads, dim).transpose(1, 2)
+    k = k_cache[blocks].to(q.dtype).view(batch, -1, kv_heads, dim).transpose(1, 2)  # [B,KVH,L,D]
+    v = v_cache[blocks].to(q.dtype).view(batch, -1, kv_heads, dim).transpose(1, 2)
     k = k.repeat_interleave(heads // kv_heads, dim=1)
     v = v.repeat_interleave(heads // kv_heads, dim=1)
     pos = torch.arange(k.shape[2])

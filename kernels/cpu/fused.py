@@ -60,7 +60,8 @@ def rope_store_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.
     """Rotary embedding ("rotate half") in place on q [T, H, D] and k [T, KVH, D] (heads
     contiguous, rows may be strided views of a fused qkv output), cos/sin [max_pos, D] at
     int64 `positions` [T]; then k, v rows written to cache slots (`slots` [T] int64, -1: not
-    written) of caches [num_blocks, block_size, KVH, D]."""
+    written) of caches [num_blocks, block_size, KVH, D]: float32, or float16 / bfloat16 (rounded
+    to nearest even as they are stored)."""
     _op("rope_store_kv")(q, k, v, cos, sin, positions, k_cache, v_cache, slots)
 
 
@@ -77,8 +78,8 @@ def rope_store_kv_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: to
     if k_cache is None:
         return
     rows = (slots >= 0).nonzero().squeeze(1)
-    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots[rows], k[rows])
-    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots[rows], v[rows])
+    k_cache.view(-1, *k.shape[1:]).index_copy_(0, slots[rows], k[rows].to(k_cache.dtype))
+    v_cache.view(-1, *v.shape[1:]).index_copy_(0, slots[rows], v[rows].to(v_cache.dtype))
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

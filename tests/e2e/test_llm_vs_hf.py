@@ -74,6 +74,27 @@ def test_greedy_32_tokens_match_hf_with_chunking_and_preemption(variant, tmp_pat
         assert int((gaps > 0).sum()) <= 2
 
 
+def test_float16_kv_cache_greedy_matches_hf_reading_rounded_kv(tmp_path):
+    """--kv-cache-dtype float16 through the real processes, with chunking, preemption and
+    prefix-cache reuse: every token is the greedy choice of HF's model whose attention reads
+    K/V rounded to float16 (tests/workers/test_kv_cache_dtype.py holds the logits to it)."""
+    from tests.workers.test_kv_cache_dtype import hf_model
+
+    model_dir = save_tiny_model(tmp_path / "llama", "llama")
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, 40000, size=n).tolist() for n in (3, 29, 12, 41, 7, 20)]
+    with LLM(str(model_dir), num_kv_blocks=40, block_size=4, prefill_chunk_size=8,
+             max_num_batched_tokens=16, kv_cache_dtype="float16") as llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0,
+                                                    ignore_eos=True))
+        stats = llm.stats()
+    assert stats.num_preemptions > 0 and stats.kv_blocks_free == stats.kv_blocks_total
+    ref_model = hf_model(model_dir, torch.float16)
+    for prompt, out in zip(prompts, outs):
+        gaps = hf_gaps(ref_model, prompt, out.token_ids)
+        assert float(gaps.max()) <= TIE, (gaps.max(), out.token_ids)
+
+
 def test_default_model_answers_paris(default_model):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

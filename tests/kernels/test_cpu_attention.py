@@ -11,6 +11,7 @@ from kernels.cpu.attention import (
     build_error,
     paged_decode_attention,
     paged_decode_attention_ref,
+    takes_cache,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -131,8 +132,46 @@ def test_rejects_bad_inputs() -> None:
         paged_decode_attention(q.double(), k_cache, v_cache, tables, key_lo, key_hi, 1.0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dim", [20, 64, 128])
+def test_half_caches(threads, cache_dtype: torch.dtype, dim: int) -> None:
+    """--kv-cache-dtype float16 / bfloat16: the kernel reads the half cache as float32, so it
+    equals the float32 kernel (and the reference) on the same values upcast: exact up to
+    summation order, whole and split rows, both head-dim paths and the portable tail."""
+    threads(2)
+    gen = torch.Generator().manual_seed(dim)
+    for case in (make_case(gen, 5, 3, 3, dim, 16, max_ctx=200, sliding=True),
+                 make_case(gen, 2, 2, 2, dim, 16, max_ctx=1500)):
+        q, k_cache, v_cache, tables, key_lo, key_hi = case
+        k_half, v_half = k_cache.to(cache_dtype), v_cache.to(cache_dtype)
+        out = paged_decode_attention(q, k_half, v_half, tables, key_lo, key_hi, 0.125)
+        ref = paged_decode_attention_ref(q, k_half, v_half, tables, key_lo, key_hi, 0.125)
+        upcast = paged_decode_attention(q, k_half.float(), v_half.float(), tables, key_lo,
+                                        key_hi, 0.125)
+        assert out.dtype == torch.float32
+        assert (out - ref).abs().max().item() < 1e-5
+        assert (out - upcast).abs().max().item() < 1e-5
+        # and the rounding itself is what the cache costs against float32 K/V
+        exact = paged_decode_attention_ref(q, k_cache, v_cache, tables, key_lo, key_hi, 0.125)
+        assert (out - exact).abs().max().item() < (2e-2 if cache_dtype == torch.bfloat16
+                                                   else 3e-3)
+
+
+def test_rejects_mixed_cache_dtypes() -> None:
+    gen = torch.Generator().manual_seed(9)
+    q, k_cache, v_cache, tables, key_lo, key_hi = make_case(gen, 2, 1, 1, 16, 4)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        paged_decode_attention(q, k_cache.half(), v_cache.bfloat16(), tables, key_lo, key_hi,
+                               1.0)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        paged_decode_attention(q, k_cache.double(), v_cache.double(), tables, key_lo, key_hi,
+                               1.0)
+
+
 def test_available_checks_tensors() -> None:
     q = torch.zeros(1, 1, 8)
     assert available(q)
     assert not available(q.double())
     assert not available(q, q.to("meta"))
+    assert takes_cache(q.half()) and takes_cache(q.bfloat16()) and takes_cache(q)
+    assert not takes_cache(q.double()) and not takes_cache(q.to("meta"))

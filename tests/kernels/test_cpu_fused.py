@@ -90,6 +90,37 @@ def test_rope_store_kv(tokens: int, store: bool) -> None:
         assert int((kc != 0).any(-1).any(-1).sum()) == int(written.sum())
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16])
+def test_rope_store_kv_half_cache(cache_dtype: torch.dtype) -> None:
+    """A float16 / bfloat16 cache (--kv-cache-dtype) holds the rotated k and v rounded to
+    nearest even, as torch's .to() rounds them: the native op equals the reference bit for bit."""
+    heads, kv_heads, dim, block_size, num_blocks = 6, 2, 24, 4, 40
+    gen = torch.Generator().manual_seed(3)
+    tokens = 37
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=gen) * 30
+    freqs = torch.outer(torch.arange(256).float(), torch.rand(dim // 2, generator=gen))
+    emb = torch.cat([freqs, freqs], dim=-1)
+    positions = torch.randint(0, 256, (tokens,), generator=gen)
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[:tokens]
+    slots[::4] = -1
+    outs = []
+    for fn in (cpu_fused.rope_store_kv, cpu_fused.rope_store_kv_ref):
+        kc, vc = (torch.zeros(num_blocks, block_size, kv_heads, dim, dtype=cache_dtype)
+                  for _ in range(2))
+        buf = qkv.clone()
+        q, k, v = split_qkv(buf, heads, kv_heads, dim)
+        fn(q, k, v, emb.cos(), emb.sin(), positions, kc, vc, slots)
+        outs.append((buf, kc, vc))
+    (buf, kc, vc), (buf_ref, kc_ref, vc_ref) = outs
+    torch.testing.assert_close(buf, buf_ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(vc, vc_ref)  # v is stored as it came: the same rounding exactly
+    written = slots >= 0
+    k_rows = kc.view(-1, kv_heads * dim)[slots[written]]
+    expected = buf[written, heads * dim:(heads + kv_heads) * dim].to(cache_dtype)
+    assert torch.equal(k_rows, expected)
+    torch.testing.assert_close(kc.float(), kc_ref.float(), rtol=1e-2, atol=1e-3)
+
+
 def test_rejects_bad_inputs() -> None:
     x = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="weight"):

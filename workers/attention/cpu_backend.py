@@ -20,7 +20,8 @@ class CpuAttention(TorchAttention):
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        if not cpu_attention.available(q, k_cache):  # e.g. another dtype in a test
+        # e.g. a bfloat16 model in a test: the kernel computes in float32
+        if not (cpu_attention.available(q) and cpu_attention.takes_cache(k_cache)):
             return super().decode(q, k_cache, v_cache, meta, scale)
         return cpu_attention.paged_decode_attention(
             q, k_cache, v_cache, meta.decode_blocks.view(q.shape[0], -1), meta.decode_lo,

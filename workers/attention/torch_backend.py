@@ -17,10 +17,21 @@ from workers.attention.base import AttentionBackend
 from workers.attention.metadata import AttentionMetadata
 
 
-def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, batch: int) -> torch.Tensor:
-    """[B * MB] block ids -> [B, KVH, MB * block_size, D] keys or values."""
+def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, batch: int,
+                  dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[B * MB] block ids -> [B, KVH, MB * block_size, D] keys or values (as `dtype`: the
+    queries' when --kv-cache-dtype stores another)."""
     g = cache.index_select(0, blocks)
+    if dtype is not None and g.dtype != dtype:
+        g = g.to(dtype)
     return g.view(batch, -1, cache.shape[2], cache.shape[3]).transpose(1, 2)
+
+
+def as_stored(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    """This step's keys or values as the cache holds them (rounded to --kv-cache-dtype): every
+    attention reads the stored K/V, so a prompt's logits do not depend on where its chunks or
+    a prefix-cache hit fall."""
+    return x if cache.dtype == x.dtype else x.to(cache.dtype).to(x.dtype)
 
 
 class TorchAttention(AttentionBackend):
@@ -38,14 +49,14 @@ class TorchAttention(AttentionBackend):
         for p in meta.prefills:
             qs = q[p.start: p.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if p.fresh:
-                ks = k[p.start: p.end].transpose(0, 1).unsqueeze(0)
-                vs = v[p.start: p.end].transpose(0, 1).unsqueeze(0)
+                ks = as_stored(k[p.start: p.end], k_cache).transpose(0, 1).unsqueeze(0)
+                vs = as_stored(v[p.start: p.end], v_cache).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale,
                                                    enable_gqa=gqa)
             else:
                 ctx = p.ctx_len - p.first_key
-                ks = gather_blocks(k_cache, p.blocks, 1)[:, :, :ctx]
-                vs = gather_blocks(v_cache, p.blocks, 1)[:, :, :ctx]
+                ks = gather_blocks(k_cache, p.blocks, 1, q.dtype)[:, :, :ctx]
+                vs = gather_blocks(v_cache, p.blocks, 1, q.dtype)[:, :, :ctx]
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask(meta.window),
                                                    scale=scale, enable_gqa=gqa)
             out[p.start: p.end] = o.squeeze(0).transpose(0, 1)
@@ -55,8 +66,8 @@ class TorchAttention(AttentionBackend):
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
         """Decode rows [B, H, D] over their tables: gather the blocks, mask, one SDPA call."""
         batch = q.shape[0]
-        kd = gather_blocks(k_cache, meta.decode_blocks, batch)
-        vd = gather_blocks(v_cache, meta.decode_blocks, batch)
+        kd = gather_blocks(k_cache, meta.decode_blocks, batch, q.dtype)
+        vd = gather_blocks(v_cache, meta.decode_blocks, batch, q.dtype)
         o = F.scaled_dot_product_attention(q.unsqueeze(2), kd, vd,
                                            attn_mask=meta.decode_mask(kd.shape[2]),
                                            scale=scale, enable_gqa=q.shape[1] != kd.shape[1])

@@ -4,7 +4,8 @@
 // each): a decode step at batch 1 spent as long in them as in its weights. One pass each here:
 // - add_rms_norm: residual += x (when given), then RMSNorm of the sum, in one row pass.
 // - rope_store_kv: rotary embedding ("rotate half", HF layout) applied in place to q and k,
-//   and this step's k, v written to their paged-cache slots (slot -1: not written).
+//   and this step's k, v written to their paged-cache slots (slot -1: not written), as the
+//   cache's type (float32, or float16 / bfloat16 under --kv-cache-dtype: kv_types.h).
 // - silu_and_mul: silu(gate) * up for [gate | up] rows.
 // Rows are split over threads (at::parallel_for) once there are enough of them.
 #include <ATen/Parallel.h>
@@ -16,6 +17,7 @@
 #include <cstdint>
 #include <optional>
 
+#include "kv_types.h"
 #include "vec_math.h"
 
 namespace {
@@ -106,11 +108,14 @@ void rope_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   int64_t num_slots = 0;
   if (store) {
     for (const auto* c : {&*k_cache, &*v_cache}) {
-      check_float_cpu(*c, "cache");
+      TORCH_CHECK(c->device().is_cpu() && deepinfer::is_kv_type(*c),
+                  "caches must be float32, float16 or bfloat16 CPU tensors");
       TORCH_CHECK(c->dim() == 4 && c->size(2) == KVH && c->size(3) == D && c->is_contiguous(),
                   "caches must be contiguous [num_blocks, block_size, kv_heads, head_dim]");
     }
-    TORCH_CHECK(k_cache->sizes() == v_cache->sizes(), "k_cache and v_cache shapes differ");
+    TORCH_CHECK(k_cache->sizes() == v_cache->sizes() &&
+                    k_cache->scalar_type() == v_cache->scalar_type(),
+                "k_cache and v_cache shapes or dtypes differ");
     TORCH_CHECK(slots->scalar_type() == at::kLong && slots->numel() == T && slots->is_contiguous(),
                 "slots must be int64 [tokens]");
     num_slots = k_cache->size(0) * k_cache->size(1);
@@ -129,9 +134,17 @@ void rope_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const float* vp = v.data_ptr<float>();
   const float* cp = cos.data_ptr<float>();
   const float* sp = sin.data_ptr<float>();
-  float* kc = store ? k_cache->data_ptr<float>() : nullptr;
-  float* vc = store ? v_cache->data_ptr<float>() : nullptr;
+  void* kc = store ? k_cache->data_ptr() : nullptr;
+  void* vc = store ? v_cache->data_ptr() : nullptr;
   const int64_t qs = q.stride(0), kst = k.stride(0), vst = v.stride(0);
+  // Cache rows as the cache's element type (rounded to nearest even into a half cache).
+  auto store_kv = [=](int64_t t) {
+    deepinfer::dispatch_kv_type(*k_cache, "rope_store_kv", [&](auto* type) {
+      using T = std::remove_pointer_t<decltype(type)>;
+      deepinfer::store_row(kp + t * kst, static_cast<T*>(kc) + sl[t] * KVH * D, KVH * D);
+      deepinfer::store_row(vp + t * vst, static_cast<T*>(vc) + sl[t] * KVH * D, KVH * D);
+    });
+  };
   at::parallel_for(0, T, grain((H + 2 * KVH) * D), [=](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* c = cp + pos[t] * D;
@@ -151,10 +164,7 @@ void rope_store_kv(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
       };
       rotate(qp + t * qs, H);
       rotate(kp + t * kst, KVH);
-      if (store && sl[t] >= 0) {
-        std::copy(kp + t * kst, kp + t * kst + KVH * D, kc + sl[t] * KVH * D);
-        std::copy(vp + t * vst, vp + t * vst + KVH * D, vc + sl[t] * KVH * D);
-      }
+      if (store && sl[t] >= 0) store_kv(t);
     }
   });
 }

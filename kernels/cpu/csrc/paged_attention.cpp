@@ -1,4 +1,6 @@
-// Decode attention straight over a paged KV cache (CPU, float32): no gather, no mask.
+// Decode attention straight over a paged KV cache (CPU, float32 arithmetic): no gather, no mask.
+// The cache holds float32, float16 or bfloat16 (--kv-cache-dtype; kv_types.h): a half cache
+// is read as floats in registers, half the bytes a step.
 //
 // q [B, H, D]; k_cache, v_cache [num_blocks, block_size, KVH, D]; block_tables [B, MB]
 // (int32/int64, entry i holds positions [i * block_size, (i + 1) * block_size)); row b attends
@@ -7,8 +9,8 @@
 // its query heads walk the blocks once, with an online softmax (running max and sum, rescaled
 // float32 accumulator), each chunk of blocks after a touch pass has pulled its K/V rows in; the
 // partial states of a split row are combined at the end. Loops are written for the
-// auto-vectorizer (-O3 -march=native); only the dot products use AVX2 intrinsics, with a
-// portable fallback.
+// auto-vectorizer (-O3 -march=native); only the dot products (and a half cache's value rows)
+// use AVX2 intrinsics, with a portable fallback.
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -22,6 +24,7 @@
 #include <limits>
 #include <vector>
 
+#include "kv_types.h"
 #include "vec_math.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -35,14 +38,15 @@ constexpr int64_t kLanes = 8;  // partial sums per dot product in the portable p
 constexpr int64_t kTouchBytes = 128 * 1024;
 
 using deepinfer::exp_nonpos;
+using deepinfer::to_float;
 
 // s[j] = dot(q, k_j) for the n rows k_j = kb + j * ks. Partial sums run in kLanes lanes.
-template <int64_t kD>
-inline void block_scores(const float* __restrict q, const float* __restrict kb, int64_t ks,
+template <int64_t kD, typename T>
+inline void block_scores(const float* __restrict q, const T* __restrict kb, int64_t ks,
                          int64_t n, int64_t dim, float* __restrict s) {
   const int64_t D = kD > 0 ? kD : dim;
   int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(DEEPINFER_KV_VECTOR)
   if (D % 8 == 0) {  // 8 keys at a time: 8 independent FMA chains, one transposing reduction
     for (; j + 8 <= n; j += 8) {
       __m256 acc[8];
@@ -50,7 +54,7 @@ inline void block_scores(const float* __restrict q, const float* __restrict kb, 
       for (int64_t d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
         for (int t = 0; t < 8; ++t) {
-          acc[t] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kb + (j + t) * ks + d), acc[t]);
+          acc[t] = _mm256_fmadd_ps(qv, deepinfer::load8(kb + (j + t) * ks + d), acc[t]);
         }
       }
       const __m256 h01 = _mm256_hadd_ps(acc[0], acc[1]), h23 = _mm256_hadd_ps(acc[2], acc[3]);
@@ -62,15 +66,15 @@ inline void block_scores(const float* __restrict q, const float* __restrict kb, 
   }
 #endif
   for (; j < n; ++j) {  // leftover keys (and the portable path): lane-wise partial sums
-    const float* kr = kb + j * ks;
+    const T* kr = kb + j * ks;
     float lane[kLanes] = {};
     const int64_t d_vec = D / kLanes * kLanes;
     for (int64_t c = 0; c < d_vec; c += kLanes) {
 #pragma omp simd
-      for (int64_t l = 0; l < kLanes; ++l) lane[l] += q[c + l] * kr[c + l];
+      for (int64_t l = 0; l < kLanes; ++l) lane[l] += q[c + l] * to_float(kr[c + l]);
     }
     float tail = 0.f;
-    for (int64_t d = d_vec; d < D; ++d) tail += q[d] * kr[d];
+    for (int64_t d = d_vec; d < D; ++d) tail += q[d] * to_float(kr[d]);
     float h4[4];  // halving: vector adds
     for (int l = 0; l < 4; ++l) h4[l] = lane[l] + lane[l + 4];
     s[j] = (h4[0] + h4[2]) + (h4[1] + h4[3]) + tail;
@@ -79,9 +83,27 @@ inline void block_scores(const float* __restrict q, const float* __restrict kb, 
 
 // acc = acc * corr + sum_j p[j] * v_j (rows vb + j * vs1); returns sum_j p[j]. With kD known
 // the accumulator lives in registers for the whole block.
-template <int64_t kD>
+template <int64_t kD, typename T>
 inline float accumulate_v(float* __restrict acc, float corr, const float* __restrict p,
-                          const float* __restrict vb, int64_t n, int64_t vs1, int64_t dim) {
+                          const T* __restrict vb, int64_t n, int64_t vs1, int64_t dim) {
+#if defined(DEEPINFER_KV_VECTOR)
+  if constexpr (!std::is_same_v<T, float> && kD > 0 && kD % 8 == 0) {  // half: convert in
+    __m256 a[kD / 8];                                                   // registers
+    const __m256 c = _mm256_set1_ps(corr);
+    for (int64_t i = 0; i < kD / 8; ++i) a[i] = _mm256_mul_ps(_mm256_loadu_ps(acc + 8 * i), c);
+    float sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const T* vr = vb + j * vs1;
+      sum += p[j];
+      for (int64_t i = 0; i < kD / 8; ++i) {
+        a[i] = _mm256_fmadd_ps(pj, deepinfer::load8(vr + 8 * i), a[i]);
+      }
+    }
+    for (int64_t i = 0; i < kD / 8; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+    return sum;
+  }
+#endif
   constexpr int64_t kBuf = kD > 0 ? kD : 1;
   float local[kBuf];
   float* a = kD > 0 ? local : acc;
@@ -91,10 +113,10 @@ inline float accumulate_v(float* __restrict acc, float corr, const float* __rest
   float sum = 0.f;  // its add chain hides under the row FMAs
   for (int64_t j = 0; j < n; ++j) {
     const float pj = p[j];
-    const float* vr = vb + j * vs1;
+    const T* vr = vb + j * vs1;
     sum += pj;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) a[d] += pj * vr[d];
+    for (int64_t d = 0; d < D; ++d) a[d] += pj * to_float(vr[d]);
   }
   if (kD > 0) std::copy(a, a + D, acc);
   return sum;
@@ -129,20 +151,25 @@ inline void exp_shifted(float* s, int64_t n, float mx) {
   for (; j < n; ++j) s[j] = exp_nonpos(s[j] - mx);
 }
 
-// Reads one float per cache line of `rows` rows of K and of V (`dim` floats each, strides
+// Reads one element per cache line of `rows` rows of K and of V (`dim` elements each, strides
 // ks, vs) and returns their sum: independent loads over two streams at once, which the core
 // keeps many of in flight.
-inline float touch_rows(const float* k, const float* v, int64_t rows, int64_t ks, int64_t vs,
+template <typename T>
+inline float touch_rows(const T* k, const T* v, int64_t rows, int64_t ks, int64_t vs,
                         int64_t dim) {
+  constexpr int64_t kLine = 64 / sizeof(T);
   float sum = 0.f;
   for (int64_t j = 0; j < rows; ++j) {
-    for (int64_t off = 0; off < dim; off += 16) sum += k[j * ks + off] + v[j * vs + off];
+    for (int64_t off = 0; off < dim; off += kLine) {
+      sum += to_float(k[j * ks + off]) + to_float(v[j * vs + off]);
+    }
   }
   return sum;
 }
 
-// kD > 0: head_dim known at compile time (fully unrolled); 0: runtime `dim`.
-template <int64_t kD, typename index_t>
+// kD > 0: head_dim known at compile time (fully unrolled); 0: runtime `dim`. T: the cache's
+// element type.
+template <int64_t kD, typename index_t, typename T>
 void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
             const at::Tensor& tables, const at::Tensor& key_lo, const at::Tensor& key_hi,
             float scale, at::Tensor& out) {
@@ -154,8 +181,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   const int64_t vs0 = v_cache.stride(0), vs1 = v_cache.stride(1), vs2 = v_cache.stride(2);
   const float* qp = q.data_ptr<float>();
   const int64_t qs0 = q.stride(0);  // rows may be strided views (of a fused qkv output)
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
+  const T* kp = static_cast<const T*>(k_cache.data_ptr());
+  const T* vp = static_cast<const T*>(v_cache.data_ptr());
   const index_t* tp = tables.data_ptr<index_t>();
   const int32_t* lo = key_lo.data_ptr<int32_t>();
   const int32_t* hi = key_hi.data_ptr<int32_t>();
@@ -192,7 +219,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   float* ps = part_sum.data();
   float* pa = part_acc.data();
   const int64_t width = (KVH - 1) * std::min(ks2, vs2) + D;  // one cache row, all heads
-  const int64_t chunk = std::max<int64_t>(1, kTouchBytes / (2 * BS * width * 4));
+  const int64_t chunk =
+      std::max<int64_t>(1, kTouchBytes / (2 * BS * width * static_cast<int64_t>(sizeof(T))));
 
   // Captured by value: locals the compiler knows no store can change.
   at::parallel_for(0, num_tasks, 1, [=, &bad_row, &touch_sink](int64_t begin, int64_t end) {
@@ -239,8 +267,8 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
         const int64_t n = std::min<int64_t>(last - blk * BS, BS) - j0;
         for (int64_t h = h0; h < h1; ++h) {
           const int64_t kh = h / G;
-          const float* kb = kp + id * ks0 + kh * ks2 + j0 * ks1;
-          const float* vb = vp + id * vs0 + kh * vs2 + j0 * vs1;
+          const T* kb = kp + id * ks0 + kh * ks2 + j0 * ks1;
+          const T* vb = vp + id * vs0 + kh * vs2 + j0 * vs1;
           float* s = scores.data();
           block_scores<kD>(qs.data() + h * D, kb, ks1, n, D, s);
           const float mx = std::max(run_max[h], max_of(s, n));
@@ -280,16 +308,16 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   });
 }
 
-template <typename index_t>
+template <typename index_t, typename T>
 void dispatch(int64_t dim, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
               const at::Tensor& tables, const at::Tensor& lo, const at::Tensor& hi, float scale,
               at::Tensor& out) {
   if (dim == 64) {
-    decode<64, index_t>(q, k, v, tables, lo, hi, scale, out);
+    decode<64, index_t, T>(q, k, v, tables, lo, hi, scale, out);
   } else if (dim == 128) {
-    decode<128, index_t>(q, k, v, tables, lo, hi, scale, out);
+    decode<128, index_t, T>(q, k, v, tables, lo, hi, scale, out);
   } else {
-    decode<0, index_t>(q, k, v, tables, lo, hi, scale, out);
+    decode<0, index_t, T>(q, k, v, tables, lo, hi, scale, out);
   }
 }
 
@@ -301,11 +329,13 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
                                   double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.dim() == 4,
               "expected q [B, H, D] and caches [num_blocks, block_size, kv_heads, D]");
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes(), "k_cache and v_cache shapes differ");
-  for (const auto* t : {&q, &k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
-                "expected float32 CPU tensors");
-  }
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "k_cache and v_cache shapes or dtypes differ");
+  TORCH_CHECK(q.device().is_cpu() && q.scalar_type() == at::kFloat,
+              "expected a float32 CPU q");
+  TORCH_CHECK(k_cache.device().is_cpu() && deepinfer::is_kv_type(k_cache),
+              "expected float32, float16 or bfloat16 CPU caches");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
               "the caches' last dim must be contiguous");
   const int64_t B = q.size(0), H = q.size(1), D = q.size(2), KVH = k_cache.size(2);
@@ -330,11 +360,14 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   auto out = at::empty({B, H, D}, q.options());
   if (out.numel() == 0) return out;
   const float s = static_cast<float>(scale);
-  if (tables.scalar_type() == at::kInt) {
-    dispatch<int32_t>(D, q_c, k_cache, v_cache, tables, lo, hi, s, out);
-  } else {
-    dispatch<int64_t>(D, q_c, k_cache, v_cache, tables, lo, hi, s, out);
-  }
+  deepinfer::dispatch_kv_type(k_cache, "paged_decode_attention", [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    if (tables.scalar_type() == at::kInt) {
+      dispatch<int32_t, T>(D, q_c, k_cache, v_cache, tables, lo, hi, s, out);
+    } else {
+      dispatch<int64_t, T>(D, q_c, k_cache, v_cache, tables, lo, hi, s, out);
+    }
+  });
   return out;
 }
 

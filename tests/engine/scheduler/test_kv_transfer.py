@@ -106,7 +106,8 @@ def remote(held: KVTransferParams) -> KVTransferParams:
     return KVTransferParams(do_remote_prefill=True, transfer_id=held.transfer_id,
                             addresses=["tcp://x:1#n"], block_ids=held.block_ids,
                             num_tokens=held.num_tokens, block_size=held.block_size,
-                            first_token=held.first_token, first_logprobs=held.first_logprobs)
+                            first_token=held.first_token, first_logprobs=held.first_logprobs,
+                            kv_dtype=held.kv_dtype)
 
 
 def decode_request(s: Scheduler, held: KVTransferParams, rid: str = "d", max_tokens: int = 4):
@@ -204,3 +205,9 @@ def test_a_mismatched_or_incomplete_transfer_is_refused_up_front():
     gone.block_ids = [[*held.block_ids[0][:2], -1, *held.block_ids[0][3:]]]
     refused = d.add(TokenizedRequest("y", pack_ids(PROMPT), SamplingParams(remote_prefill=gone)))
     assert "no longer holds" in refused.error
+    assert held.kv_dtype == "float32"  # the prefill server's cache type travels with its KV
+    other_type = remote(held)
+    other_type.kv_dtype = "float16"  # a prefill server with --kv-cache-dtype float16
+    refused = d.add(TokenizedRequest("z", pack_ids(PROMPT), SamplingParams(
+        remote_prefill=other_type)))
+    assert refused.finish_reason == FinishReason.ERROR and "--kv-cache-dtype" in refused.error
