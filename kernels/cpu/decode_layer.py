@@ -1,10 +1,12 @@
-"""A whole Llama-family decoder layer for decode steps on CPU, in one native call.
+"""A Llama-family model's decoder layers for decode steps on CPU, in one native call.
 
 At batch 1 the Python between a layer's native ops (module calls, views, checks, one dispatch
-each) cost ~0.11 ms a layer, ~3 ms a token next to ~18 ms of weight reads. `decode_layer`
-(csrc/decode_layer.cpp) runs the same ops (fused norm, small-M or oneDNN linears, rotary + KV
-store, paged decode attention, silu·up) back to back through the dispatcher: a decode step at
-batch 1 / 16 / 64 takes ~16 % / 10 % / 3 % less. The model's Python layers stay the reference
+each) cost ~0.11 ms a layer, ~3 ms a token next to ~18 ms of weight reads. The `decode_layer`
+op (csrc/decode_layer.cpp) runs the same ops (fused norm, small-M or oneDNN linears, rotary +
+KV store, paged decode attention, silu·up) back to back through the dispatcher: a decode step
+at batch 1 / 16 / 64 took ~16 % / 10 % / 3 % less. Calling it once a layer from Python still
+parsed its 29 arguments each time; `DecodeStack` holds every layer's weights (given once at
+load) and runs all the layers in one call a step. The model's Python layers stay the reference
 and the path for everything else (prefill and mixed steps, other devices and dtypes).
 """
 
@@ -78,17 +80,27 @@ def available(*tensors: torch.Tensor | None) -> bool:
             and _OP.available(*tensors))
 
 
-def decode_layer(x: torch.Tensor, residual: torch.Tensor, w: DecodeLayerWeights,
-                 cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, key_lo: torch.Tensor, key_hi: torch.Tensor,
-                 first_layer: bool) -> torch.Tensor:
-    """One layer for [T, hidden] decode rows: returns its output; `residual` (x itself at layer
-    0) is updated in place. The attention arguments are those of
-    `attention.paged_decode_attention`, the rotary ones of `fused.rope_store_kv`."""
-    linears = (w.qkv, w.o, w.gate_up, w.down)
-    return _OP(x, residual, w.input_norm, w.post_norm, w.eps, w.qkv.plain, w.qkv.bias,
-               w.o.plain, w.gate_up.plain, w.down.plain, w.qkv.packed, w.o.packed,
-               w.gate_up.packed, w.down.packed, cos, sin, positions, k_cache, v_cache, slots,
-               block_tables, key_lo, key_hi, w.num_heads, w.num_kv_heads, w.scale, first_layer,
-               [lin.scales for lin in linears], [lin.mins for lin in linears])
+def decode_stack(layers: list[DecodeLayerWeights]) -> torch.ScriptObject:
+    """The layers as one native object (csrc/decode_layer.cpp's DecodeStack), their weights
+    handed over once: a decode step is then one call (`run_stack`). Call `available` first."""
+    _OP.load()
+    stack = torch.classes.deepinfer_cpu.DecodeStack()
+    for w in layers:
+        linears = (w.qkv, w.o, w.gate_up, w.down)
+        stack.add_layer(w.input_norm, w.post_norm, w.eps, w.qkv.plain, w.qkv.bias, w.o.plain,
+                        w.gate_up.plain, w.down.plain, w.qkv.packed, w.o.packed,
+                        w.gate_up.packed, w.down.packed, w.num_heads, w.num_kv_heads, w.scale,
+                        w.kv_group, [lin.scales for lin in linears], [lin.mins for lin in linears])
+    return stack
+
+
+def run_stack(stack: torch.ScriptObject, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              positions: torch.Tensor, k_caches: list[torch.Tensor],
+              v_caches: list[torch.Tensor], slots: list[torch.Tensor],
+              block_tables: list[torch.Tensor], key_lo: list[torch.Tensor],
+              key_hi: list[torch.Tensor]) -> torch.Tensor:
+    """Every layer for [T, hidden] decode rows x: returns the last layer's output; x (the
+    residual stream) is updated in place. Caches one per layer; slots, tables and key ranges
+    one per KV group (those of `attention.paged_decode_attention` and `fused.rope_store_kv`)."""
+    return stack.forward(x, cos, sin, positions, k_caches, v_caches, slots, block_tables,
+                         key_lo, key_hi)

@@ -179,17 +179,19 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary
         self.fast_layers: list[DecodeLayerWeights] | None = None  # set by finalize()
+        self.fast_stack: torch.ScriptObject | None = None  # ... and as one native object
         self.fast_any_rows = False  # ... and whether they take more than SMALL_M rows
 
     def finalize(self) -> None:
         """After the layers' own finalize: use the one-call native decode layer when every
         layer fits it."""
-        self.fast_layers, self.fast_any_rows = None, False
+        self.fast_layers, self.fast_stack, self.fast_any_rows = None, None, False
         if not cpu_decode_layer.available(self.embed_tokens.weight):
             return
         fast = [layer.decode_weights() for layer in self.layers]
         if all(w is not None for w in fast):
             self.fast_layers = fast
+            self.fast_stack = cpu_decode_layer.decode_stack(fast)
             # A linear kept without its packed copy (or a quantized one the integer GEMM does
             # not take) goes to F.linear or dequantized tiles above SMALL_M rows.
             self.fast_any_rows = all(w.takes_any_rows() for w in fast)
@@ -208,16 +210,14 @@ class LlamaModel(nn.Module):
         return self.norm(x, residual)
 
     def _decode_fast(self, x, positions, kv_caches, metas: list[AttentionMetadata]):
-        """All rows are decodes: one native call per layer."""
-        tables = [m.decode_blocks.view(x.shape[0], -1) for m in metas]
-        residual = x  # layer 0 normalizes x and then adds into it
-        cos, sin = self.rotary.cos, self.rotary.sin
-        for i, (weights, kv) in enumerate(zip(self.fast_layers, kv_caches)):
-            meta = metas[weights.kv_group]
-            x = cpu_decode_layer.decode_layer(
-                x, residual, weights, cos, sin, positions, kv[0], kv[1], meta.row_slots,
-                tables[weights.kv_group], meta.decode_lo, meta.decode_hi, i == 0)
-        return self.norm(x, residual)
+        """All rows are decodes: every layer in one native call."""
+        rows = x.shape[0]
+        out = cpu_decode_layer.run_stack(
+            self.fast_stack, x, self.rotary.cos, self.rotary.sin, positions,
+            [kv[0] for kv in kv_caches], [kv[1] for kv in kv_caches],
+            [m.row_slots for m in metas], [m.decode_blocks.view(rows, -1) for m in metas],
+            [m.decode_lo for m in metas], [m.decode_hi for m in metas])
+        return self.norm(out, x)  # x: the residual stream, updated in place
 
 
 class LlamaForCausalLM(nn.Module):

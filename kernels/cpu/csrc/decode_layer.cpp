@@ -18,6 +18,7 @@
 
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace {
 
@@ -111,9 +112,83 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
   return linear(act, down_weight, down_packed, std::nullopt, scales.get(3), mins.get(3));
 }
 
+// A model's decode layers, called in one go: torch.classes.deepinfer_cpu.DecodeStack. The
+// layers' weights are handed over once (add_layer, at load), so a step passes only its own
+// tensors: from Python, parsing one decode_layer call's 29 arguments cost about as much as the
+// layer's norms, rotary and attention together at batch 1.
+class DecodeStack : public torch::CustomClassHolder {
+ public:
+  void add_layer(const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                 const at::Tensor& qkv_weight, const OptTensor& qkv_bias,
+                 const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
+                 const at::Tensor& down_weight, const OptTensor& qkv_packed,
+                 const OptTensor& o_packed, const OptTensor& gate_up_packed,
+                 const OptTensor& down_packed, int64_t num_heads, int64_t num_kv_heads,
+                 double scale, int64_t kv_group, const c10::List<OptTensor>& scales,
+                 const c10::List<OptTensor>& mins) {
+    TORCH_CHECK(kv_group >= 0, "kv_group must be >= 0");
+    layers_.push_back(Layer{input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
+                            gate_up_weight, down_weight, qkv_packed, o_packed, gate_up_packed,
+                            down_packed, num_heads, num_kv_heads, scale, kv_group, scales, mins});
+  }
+
+  int64_t size() const { return static_cast<int64_t>(layers_.size()); }
+
+  // Every layer over [T, hidden] decode rows x: returns the last layer's output; x, the
+  // residual stream, is updated in place (as decode_layer's `residual`). Caches per layer; the
+  // slots, block tables and key ranges per KV group.
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                     const at::Tensor& positions, const std::vector<at::Tensor>& k_caches,
+                     const std::vector<at::Tensor>& v_caches,
+                     const std::vector<at::Tensor>& slots,
+                     const std::vector<at::Tensor>& block_tables,
+                     const std::vector<at::Tensor>& key_lo,
+                     const std::vector<at::Tensor>& key_hi) const {
+    const size_t n = layers_.size();
+    TORCH_CHECK(n > 0, "DecodeStack has no layers");
+    TORCH_CHECK(k_caches.size() == n && v_caches.size() == n, "one K and V cache per layer");
+    const size_t groups = slots.size();
+    TORCH_CHECK(block_tables.size() == groups && key_lo.size() == groups &&
+                    key_hi.size() == groups,
+                "slots, block tables and key ranges: one of each per KV group");
+    at::Tensor out = x;
+    for (size_t i = 0; i < n; ++i) {
+      const Layer& l = layers_[i];
+      const auto g = static_cast<size_t>(l.kv_group);
+      TORCH_CHECK(g < groups, "layer ", i, " reads KV group ", g, " of ", groups);
+      out = decode_layer(out, x, l.input_norm, l.post_norm, l.eps, l.qkv_weight, l.qkv_bias,
+                         l.o_weight, l.gate_up_weight, l.down_weight, l.qkv_packed, l.o_packed,
+                         l.gate_up_packed, l.down_packed, cos, sin, positions, k_caches[i],
+                         v_caches[i], slots[g], block_tables[g], key_lo[g], key_hi[g],
+                         l.num_heads, l.num_kv_heads, l.scale, i == 0, l.scales, l.mins);
+    }
+    return out;
+  }
+
+ private:
+  struct Layer {
+    at::Tensor input_norm, post_norm;
+    double eps;
+    at::Tensor qkv_weight;
+    OptTensor qkv_bias;
+    at::Tensor o_weight, gate_up_weight, down_weight;
+    OptTensor qkv_packed, o_packed, gate_up_packed, down_packed;
+    int64_t num_heads, num_kv_heads;
+    double scale;
+    int64_t kv_group;
+    c10::List<OptTensor> scales, mins;
+  };
+  std::vector<Layer> layers_;
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<>())
+      .def("add_layer", &DecodeStack::add_layer)
+      .def("size", &DecodeStack::size)
+      .def("forward", &DecodeStack::forward);
   m.def("decode_layer(Tensor x, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, "
         "float eps, Tensor qkv_weight, Tensor? qkv_bias, Tensor o_weight, Tensor gate_up_weight, "
         "Tensor down_weight, Tensor? qkv_packed, Tensor? o_packed, Tensor? gate_up_packed, "
