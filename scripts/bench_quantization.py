@@ -25,6 +25,15 @@ default model only ships as Q4_1.
 
 `--kv-cache-dtype float16` keeps DeepInfer's KV cache in float16, as llama.cpp keeps its own
 (default: float32, the model's dtype).
+
+`--alternate` measures batch-1 decode only, with every format loaded in this one process at
+once and measured in turn each round (llama.cpp through llama-cpp-python in this process, each
+DeepInfer format its own engine processes, idle while another format runs): the VM's drift
+between processes falls on all formats alike, where the default mode's separate processes run
+minutes apart. `--kv-cache-dtype` then takes several values, each a DeepInfer row of its own:
+
+    .venv/bin/python scripts/bench_quantization.py --alternate --rounds 5 \
+        --kv-cache-dtype auto float16
 """
 
 from __future__ import annotations
@@ -59,9 +68,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--batch-1-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=bench_peers.default_threads())
-    p.add_argument("--kv-cache-dtype", default="auto",
+    p.add_argument("--kv-cache-dtype", default=["auto"], nargs="+",
                    choices=["auto", "float32", "float16", "bfloat16"],
-                   help="DeepInfer's KV cache type in every row (llama.cpp's is float16)")
+                   help="DeepInfer's KV cache type in every row (llama.cpp's is float16); "
+                        "several values with --alternate")
+    p.add_argument("--alternate", action="store_true",
+                   help="batch-1 decode only, every format in this process, in turn")
     p.add_argument("--agreement-tokens", type=int, default=64)
     p.add_argument("--work-dir", default="/tmp/deepinfer-bench-quant",
                    help="where the Q8_0 GGUF is written")
@@ -87,7 +99,7 @@ def peer_args(args: argparse.Namespace, system: str, flags: list[str]) -> argpar
         "--systems", system, "--num-prompts", str(args.num_prompts),
         "--input-len", str(args.input_len), "--output-len", str(args.output_len),
         "--batch-1-tokens", str(args.batch_1_tokens), "--threads", str(args.threads),
-        "--repeats", "2", "--kv-cache-dtype", args.kv_cache_dtype, *flags])
+        "--repeats", "2", "--kv-cache-dtype", args.kv_cache_dtype[0], *flags])
 
 
 def median(values: list[float | None]) -> float | None:
@@ -127,6 +139,71 @@ def fmt(value, spec: str = ".1f") -> str:
     return "-" if value is None else format(value, spec)
 
 
+def alternate_batch1(args: argparse.Namespace, q4_1: Path, q8_0: Path) -> dict:
+    """--alternate: every format (and DeepInfer KV cache type) loaded here at once, batch-1
+    decode measured in turn each round; per label, its tok/s per round."""
+    from engine import LLM, SamplingParams
+
+    prompt = bench_peers.make_prompts(1, args.input_len, bench_peers.vocab_size("default"),
+                                      0)[0]
+    engines, generators = [], {}
+    for label, system, flags in formats(q4_1, q8_0):
+        if system == "llamacpp":
+            from llama_cpp import Llama
+
+            llm = Llama(model_path=flags[1], n_ctx=args.input_len + args.batch_1_tokens + 16,
+                        n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
+            generators[label] = lambda batch, n, llm=llm: [sum(
+                1 for _, _ in zip(range(n), llm.generate(batch[0], temp=0.0, top_k=1,
+                                                         reset=True)))]
+            continue
+        model = flags[1] if flags[:1] == ["--model"] else "default"
+        quantization = flags[1] if flags[:1] == ["--quantization"] else None
+        for kv in args.kv_cache_dtype:
+            engine = LLM(model, quantization=quantization, kv_cache_dtype=kv, max_num_seqs=4,
+                         worker_threads=args.threads)
+            engines.append(engine)
+            name = label if len(args.kv_cache_dtype) == 1 else f"{label} (KV {kv})"
+            generators[name] = lambda batch, n, e=engine: [len(o.token_ids) for o in e.generate(
+                batch, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
+    runs: dict[str, list[float]] = {label: [] for label in generators}
+    try:
+        for generate in generators.values():
+            generate([prompt], 8)  # warm-up
+        for round_ in range(args.rounds):
+            for label, generate in generators.items():
+                result = bench_peers.measure_batch1(generate, prompt, args.batch_1_tokens, 2)
+                runs[label].append(result["batch1_decode_tok_s"])
+            print(f"round {round_ + 1}: " + ", ".join(
+                f"{label} {fmt(r[-1])}" for label, r in runs.items()), flush=True)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    return runs
+
+
+def report_alternate(args: argparse.Namespace, command: str, runs: dict) -> int:
+    medians = {label: median(values) for label, values in runs.items()}
+    print(f"\n{'format':<36} {'b1 decode tok/s (median)':>24}  per round")
+    for label, values in runs.items():
+        print(f"{label:<36} {fmt(medians[label]):>24}  {[round(v, 1) for v in values]}")
+    ratios = {}
+    for ours, peer in (("deepinfer int8", "llama.cpp Q8_0"),
+                       ("deepinfer GGUF Q4_1", "llama.cpp Q4_1")):
+        for label in medians:
+            if label.startswith(ours):
+                ratios[f"{label} / {peer}"] = bench_peers.ratio(medians[label], medians[peer])
+    print()
+    for name, value in ratios.items():
+        print(f"{name}: {fmt(value, '.2f')}x")
+    if args.result_file:
+        report = {"command": command, "environment": bench_peers.environment(),
+                  "batch1_decode_tok_s": runs, "medians": medians, "ratios": ratios}
+        Path(args.result_file).write_text(json.dumps(report, indent=2) + "\n")
+        print(f"\nwrote {args.result_file}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.texts:
@@ -142,6 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                         str(q8_0), "Q8_0"], check=True)
     command = shlex.join([sys.executable, *sys.argv])
     print(f"command: {command}", flush=True)
+    if args.alternate:
+        return report_alternate(args, command, alternate_batch1(args, q4_1, q8_0))
     runs: dict[str, list[dict]] = {label: [] for label, _, _ in formats(q4_1, q8_0)}
     for round_ in range(args.rounds):
         for label, system, flags in formats(q4_1, q8_0):
