@@ -178,15 +178,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  f"{self.dtype})")
 
     def kv_dtype(self) -> str:
-        """The KV cache's element type: --kv-cache-dtype, or --dtype under auto."""
+        """The KV cache's element type: --kv-cache-dtype, or --dtype under auto
+        (ModelConfigError, naming the flag, for a value that is neither)."""
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+                 f"not {self.kv_cache_dtype!r}")
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def check_kv_cache_dtype(self) -> None:
         """Raise ModelConfigError, naming the flag, for a KV cache type this model cannot keep.
         Reads the model's config: call it once --model is resolved."""
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                 f"not {self.kv_cache_dtype!r}")
         if self.kv_dtype() == self.dtype:
             return
         other = sorted({layer.entry for layer in self.kv_cache_spec().layers} - {KV})

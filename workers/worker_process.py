@@ -54,8 +54,8 @@ def main(ctx: ChildContext) -> None:
                                            ctx.endpoints.scheduler_in)
         if runner.transfer.address:
             info["kv_transfer"] = runner.transfer.address
-    log.info("rank %d ready on %s: %d KV blocks, %d threads", ctx.rank, device,
-             runner.num_blocks, torch.get_num_threads())
+    log.info("rank %d ready on %s: %d KV blocks (%s), %d threads", ctx.rank, device,
+             runner.num_blocks, ctx.config.kv_dtype(), torch.get_num_threads())
     ctx.ready(**info)
     send_lock = threading.Lock()  # grammar answers come from the compile threads
 

@@ -102,6 +102,10 @@ def test_block_budget_and_checks(tiny, tmp_path):
     half.check_kv_cache_dtype()
     with pytest.raises(ModelConfigError, match="--kv-cache-dtype must be one of"):
         EngineConfig(model=str(tiny), kv_cache_dtype="fp4").check_kv_cache_dtype()
+    with pytest.raises(ModelConfigError, match="--kv-cache-dtype must be one of"):
+        EngineConfig(model=str(tiny), kv_cache_dtype="fp4", device="cuda").check_device()
+    with pytest.raises(ModelConfigError, match="--device cuda: --kv-cache-dtype float16"):
+        EngineConfig(model=str(tiny), kv_cache_dtype="float16", device="cuda").check_device()
     assert any("--kv-cache-dtype" in p for p in half.cpu_only_features())
     assert not EngineConfig(model=str(tiny), kv_cache_dtype="float32").cpu_only_features()
     mla = save_tiny_model(tmp_path / "v3", "deepseek_v3")
