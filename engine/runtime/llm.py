@@ -33,6 +33,15 @@ class CompletionOutput(msgspec.Struct):
     cached_tokens: int
 
 
+def check_params(params: SamplingParams) -> SamplingParams:
+    """`params`, or ValueError for settings that cannot work together (as the server answers
+    them with a 400)."""
+    if params.grammar is not None and params.ignore_eos:
+        raise ValueError("ignore_eos cannot be combined with structured output: the grammar "
+                         "decides where the output ends")
+    return params
+
+
 class LLM:
     """Starts an engine (tokenizer, scheduler, workers) and runs requests to completion.
 
@@ -71,7 +80,8 @@ class LLM:
             prompts = [prompts]
         reqs = []
         for i, prompt in enumerate(prompts):
-            p = params[i] if isinstance(params, Sequence) else (params or SamplingParams())
+            p = check_params(params[i] if isinstance(params, Sequence)
+                             else (params or SamplingParams()))
             rid = f"offline-{next(self._ids)}"
             if isinstance(prompt, str):
                 reqs.append(GenerateRequest(rid, p, prompt=prompt))
@@ -83,8 +93,8 @@ class LLM:
         self, messages: list[dict[str, str]], params: SamplingParams | None = None
     ) -> CompletionOutput:
         msgs = [ChatMessage(m["role"], m["content"]) for m in messages]
-        req = GenerateRequest(f"offline-{next(self._ids)}", params or SamplingParams(),
-                              messages=msgs)
+        req = GenerateRequest(f"offline-{next(self._ids)}",
+                              check_params(params or SamplingParams()), messages=msgs)
         return self._run(self._gather([req]))[0]
 
     async def _gather(self, reqs: list[GenerateRequest]) -> list[CompletionOutput]:
