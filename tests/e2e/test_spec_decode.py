@@ -170,3 +170,17 @@ def test_mtp_greedy_text_is_identical_under_chunking_and_preemption(tmp_path):
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
     assert stats.spec_draft_tokens > 0 and stats.num_preemptions > 0
     assert stats.kv_blocks_free == stats.kv_blocks_total
+
+
+def test_float16_kv_cache_draft_equal_to_target_is_always_accepted(pair):
+    """--kv-cache-dtype float16 for the target and its draft: the same model over the same
+    rounded K/V proposes exactly what the target verifies; the text is that of the same engine
+    without speculation."""
+    target, _ = pair
+    ref, _ = generate(target, PROMPTS, GREEDY, kv_cache_dtype="float16")
+    outs, stats = generate(target, PROMPTS, GREEDY, kv_cache_dtype="float16",
+                           speculative_method="draft", speculative_model=str(target),
+                           num_speculative_tokens=4)
+    assert stats.spec_draft_tokens > 0
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+    assert [o.token_ids for o in outs] == [o.token_ids for o in ref]

@@ -65,3 +65,14 @@ def test_mtp_needs_the_checkpoints_mtp_weights(tmp_path):
     config = EngineConfig(model=str(model), speculative_method="mtp")
     with pytest.raises(ModelConfigError, match=r"no usable MTP weights \(model\.layers\.3\."):
         build_proposer(config, None)
+
+
+def test_a_draft_models_cache_takes_the_targets_kv_cache_dtype(tiny_model_dir):
+    """With --kv-cache-dtype float16 the target's budget buys twice the blocks; the draft keeps
+    as many, in float16 too (not twice the float32 memory)."""
+    config = EngineConfig(model=str(tiny_model_dir), num_kv_blocks=16, block_size=4,
+                          speculative_method="draft", speculative_model=str(tiny_model_dir),
+                          kv_cache_dtype="float16")
+    proposer = build_proposer(config, None)
+    assert {t.dtype for pair in proposer.kv for t in pair} == {torch.float16}
+    assert proposer.kv[0][0].shape[0] == 16

@@ -47,7 +47,10 @@ def check_vocabulary(draft_dir: str, target_dir: str) -> None:
 
 class DraftModelProposer(Proposer):
     def __init__(self, draft_dir: str, target_dir: str, dtype: str, num_blocks: int,
-                 block_size: int, host_blocks: int, weight_copies: str, sampler: Sampler) -> None:
+                 block_size: int, host_blocks: int, weight_copies: str, sampler: Sampler,
+                 kv_dtype: str | None = None) -> None:
+        """`kv_dtype`: what the draft's KV cache stores (the target's --kv-cache-dtype; default
+        `dtype`): it has as many blocks as the target's, sized by the target's type."""
         target = ModelConfig.from_dir(target_dir)
         cfg = ModelConfig.from_dir(draft_dir)
         if not target.kv_cache_spec().layers_of(FULL):
@@ -62,11 +65,12 @@ class DraftModelProposer(Proposer):
         self.block_size = block_size
         self.vocab_size = target.vocab_size
         self.sampler = sampler
+        cache_dtype = DTYPES[kv_dtype or dtype]
         shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=torch_dtype), torch.zeros(shape, dtype=torch_dtype))
+        self.kv = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
                    for _ in range(cfg.num_layers)]
         host = (host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.host = [(torch.zeros(host, dtype=torch_dtype), torch.zeros(host, dtype=torch_dtype))
+        self.host = [(torch.zeros(host, dtype=cache_dtype), torch.zeros(host, dtype=cache_dtype))
                      for _ in range(cfg.num_layers)] if host_blocks else []
         self.frontier: dict[str, int] = {}  # positions [0, frontier) hold the draft's K/V
         self.tables: dict[str, np.ndarray] = {}
