@@ -159,12 +159,13 @@ def test_hybrid_next_chat_turn_resumes_from_the_previous_answer(hybrid_dir):
     assert close_to(out, cold(hybrid_dir, turn2))
 
 
-def test_host_tier_brings_evicted_blocks_back(tiny_model_dir):
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "float16"])  # the host tier's type too
+def test_host_tier_brings_evicted_blocks_back(tiny_model_dir, kv_cache_dtype):
     rng = np.random.default_rng(5)
     a, b, c = (rng.integers(3, 40000, 60).tolist() for _ in range(3))
     # 24 device blocks of 4 tokens: each 60-token prompt evicts the previous one's blocks.
     with LLM(str(tiny_model_dir), num_kv_blocks=24, block_size=4,
-             host_kv_cache_gb=0.0002) as llm:
+             host_kv_cache_gb=0.0002, kv_cache_dtype=kv_cache_dtype) as llm:
         first = llm.generate([a], GREEDY)[0]
         llm.generate([b], GREEDY)
         llm.generate([c], GREEDY)
