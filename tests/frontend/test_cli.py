@@ -16,11 +16,17 @@ from tests.engine.model_store.tiny_gguf import use_tiny_default_model
 def test_serve_args_map_to_engine_config():
     args = cli.build_parser().parse_args([
         "serve", "--model", "/m", "--kv-cache-gb", "2.5", "--max-num-seqs", "8", "--port", "9",
-        "--served-model-name", "x", "--max-pending", "3"])
+        "--served-model-name", "x", "--max-pending", "3", "--kv-cache-dtype", "float16"])
     assert cli.engine_kwargs(args) == {"kv_cache_gb": 2.5, "max_num_seqs": 8,
-                                       "served_model_name": "x"}
+                                       "served_model_name": "x", "kv_cache_dtype": "float16"}
     assert (args.port, args.max_pending, args.host) == (9, 3, "127.0.0.1")
     assert cli.engine_config(args).model == "/m"
+
+
+def test_a_kv_cache_dtype_typo_is_refused_before_anything_starts(capsys):
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["serve", "--kv-cache-dtype", "fp4"])
+    assert "--kv-cache-dtype: invalid choice: 'fp4'" in capsys.readouterr().err
 
 
 def test_generate_and_bench_args():
