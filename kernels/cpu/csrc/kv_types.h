@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
