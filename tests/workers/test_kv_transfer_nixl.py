@@ -14,10 +14,11 @@ from tests.workers.test_kv_transfer_zmq import PAIRS, Link, make_caches
 
 # What workers/kv_transfer/nixl_transport.py loads: the extra installs nixl-cu12 only, which
 # has no top-level `nixl` module (the `nixl` package adds one over nixl-cu12 and nixl-cu13).
-if not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13")):
-    pytest.skip("NIXL is not installed (pip install 'deepinfer[nixl]')", allow_module_level=True)
-
-pytestmark = pytest.mark.nixl
+pytestmark = [
+    pytest.mark.skipif(not any(importlib.util.find_spec(m) for m in ("nixl_cu12", "nixl_cu13")),
+                       reason="NIXL is not installed (pip install 'deepinfer[nixl]')"),
+    pytest.mark.nixl,
+]
 
 
 @pytest.fixture

@@ -77,11 +77,11 @@ def test_other_layouts_take_float_activations_above_four_rows() -> None:
                                atol=1e-5)
 
 
+@pytest.mark.skipif(not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines),
+                    reason="this torch has no FBGEMM")
 def test_fbgemm_is_opt_in(monkeypatch) -> None:
     """DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: more than 4 rows through FBGEMM (per-token 7-bit
     activations: within a few % of the float product, not the int8 GEMM's rounding)."""
-    if not {"x86", "fbgemm"} & set(torch.backends.quantized.supported_engines):
-        pytest.skip("this torch has no FBGEMM")
     monkeypatch.setenv("DEEPINFER_INT8_DYNAMIC_ACTIVATIONS", "1")
     weight = quantize_int8(float_weight())
     mm = QuantizedMatmul(weight, None)
