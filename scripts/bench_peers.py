@@ -240,8 +240,34 @@ def worker_memory_mb() -> Result:
     return {}
 
 
+def deepinfer_generate(llm: Any) -> GenerateFn:
+    """Greedy, exactly n tokens a prompt, through an engine.LLM."""
+    from engine import SamplingParams
+
+    def generate(batch: list[list[int]], n: int) -> list[int]:
+        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+        return [len(o.token_ids) for o in llm.generate(batch, params)]
+    return generate
+
+
+def llamacpp_generate(llm: Any) -> GenerateFn:
+    """Greedy, n tokens a prompt, one prompt at a time, through a llama_cpp.Llama."""
+    def generate(batch: list[list[int]], n: int) -> list[int]:
+        counts = []
+        for prompt in batch:
+            count = 0
+            # Llama.generate never stops on EOS itself: we stop after n tokens.
+            for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+                count += 1
+                if count >= n:
+                    break
+            counts.append(count)
+        return counts
+    return generate
+
+
 def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
-    from engine import LLM, SamplingParams
+    from engine import LLM
     from engine.config import EngineConfig
 
     block = EngineConfig().block_size
@@ -254,13 +280,8 @@ def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
               cpu_linear_weights=args.cpu_linear_weights, quantization=args.quantization,
               kv_cache_dtype=args.kv_cache_dtype)
     load = time.perf_counter() - start
-
-    def generate(batch: list[list[int]], n: int) -> list[int]:
-        params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
-        return [len(o.token_ids) for o in llm.generate(batch, params)]
-
     try:
-        result = run_workload(generate, args, prompts)
+        result = run_workload(deepinfer_generate(llm), args, prompts)
         result.update(worker_memory_mb())
     finally:
         llm.shutdown()
@@ -376,20 +397,7 @@ def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
                 n_batch=min(512, args.max_batch_tokens), n_threads=args.threads,
                 n_threads_batch=args.threads, seed=args.seed, verbose=False)
     load = time.perf_counter() - start
-
-    def generate(batch: list[list[int]], n: int) -> list[int]:
-        counts = []
-        for prompt in batch:
-            count = 0
-            # Llama.generate never stops on EOS itself: we stop after n tokens.
-            for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-                count += 1
-                if count >= n:
-                    break
-            counts.append(count)
-        return counts
-
-    result = run_workload(generate, args, prompts, batch=False)
+    result = run_workload(llamacpp_generate(llm), args, prompts, batch=False)
     memory = process_memory_mb()  # in process: the Python interpreter's ~100 MiB included
     result.update({"process_rss_mb": memory["rss_mb"], "process_peak_mb": memory["peak_mb"]})
     return {"load_s": load, "dtype": f"GGUF {Path(path).name}", "gguf": path,

@@ -142,7 +142,7 @@ def fmt(value, spec: str = ".1f") -> str:
 def alternate_batch1(args: argparse.Namespace, q4_1: Path, q8_0: Path) -> dict:
     """--alternate: every format (and DeepInfer KV cache type) loaded here at once, batch-1
     decode measured in turn each round; per label, its tok/s per round."""
-    from engine import LLM, SamplingParams
+    from engine import LLM
 
     prompt = bench_peers.make_prompts(1, args.input_len, bench_peers.vocab_size("default"),
                                       0)[0]
@@ -153,9 +153,7 @@ def alternate_batch1(args: argparse.Namespace, q4_1: Path, q8_0: Path) -> dict:
 
             llm = Llama(model_path=flags[1], n_ctx=args.input_len + args.batch_1_tokens + 16,
                         n_threads=args.threads, n_threads_batch=args.threads, verbose=False)
-            generators[label] = lambda batch, n, llm=llm: [sum(
-                1 for _, _ in zip(range(n), llm.generate(batch[0], temp=0.0, top_k=1,
-                                                         reset=True)))]
+            generators[label] = bench_peers.llamacpp_generate(llm)
             continue
         model = flags[1] if flags[:1] == ["--model"] else "default"
         quantization = flags[1] if flags[:1] == ["--quantization"] else None
@@ -164,8 +162,7 @@ def alternate_batch1(args: argparse.Namespace, q4_1: Path, q8_0: Path) -> dict:
                          worker_threads=args.threads)
             engines.append(engine)
             name = label if len(args.kv_cache_dtype) == 1 else f"{label} (KV {kv})"
-            generators[name] = lambda batch, n, e=engine: [len(o.token_ids) for o in e.generate(
-                batch, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
+            generators[name] = bench_peers.deepinfer_generate(engine)
     runs: dict[str, list[float]] = {label: [] for label in generators}
     try:
         for generate in generators.values():
