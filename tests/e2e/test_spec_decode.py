@@ -184,3 +184,21 @@ def test_float16_kv_cache_draft_equal_to_target_is_always_accepted(pair):
     assert stats.spec_draft_tokens > 0
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
     assert [o.token_ids for o in outs] == [o.token_ids for o in ref]
+
+
+def test_a_draft_equal_to_the_target_is_always_accepted_across_plain_steps(pair):
+    """A request that speculates, then decodes plainly, then speculates again: the plain steps
+    must leave the draft model's K/V whole (a fully accepted run's last draft, which it never
+    read, included). Two sequence slots and no speculation beside another request: the long
+    request speculates alone for one step each time a short one finishes (the next one is
+    admitted in that step), then decodes plainly beside it."""
+    target, _ = pair
+    rng = np.random.default_rng(6)
+    prompts = [rng.integers(3, 40000, 6).tolist() for _ in range(8)]
+    params = [msgspec.structs.replace(GREEDY, max_tokens=5 if i != 1 else 60)
+              for i in range(8)]
+    outs, stats = generate(target, prompts, params, max_num_seqs=2,
+                           speculative_disable_by_batch_size=1, speculative_method="draft",
+                           speculative_model=str(target), num_speculative_tokens=3)
+    assert stats.spec_verify_steps >= 5 and stats.spec_draft_tokens > 0
+    assert stats.spec_accepted_tokens == stats.spec_draft_tokens

@@ -74,12 +74,15 @@ class DraftModelProposer(Proposer):
                      for _ in range(cfg.num_layers)] if host_blocks else []
         self.frontier: dict[str, int] = {}  # positions [0, frontier) hold the draft's K/V
         self.tables: dict[str, np.ndarray] = {}
+        # The requests it has drafted for: their tokens fill a gap (the last draft of a fully
+        # accepted run, never read) also in a step where they do not speculate.
+        self.states: dict[str, SamplingState] = {}
 
     # ------------------------------------------------------------------ the proposer seam
 
     def propose(self, step: list[StepInput], requests: list[DraftRequest]) -> list[Draft]:
-        states = {r.request_id: r.state for r in requests}
-        last_rows = self._catch_up(step, states)
+        self.states.update((r.request_id, r.state) for r in requests)
+        last_rows = self._catch_up(step)
         if not requests:
             return []
         logits = self._logits(last_rows, [r.request_id for r in requests])
@@ -102,6 +105,7 @@ class DraftModelProposer(Proposer):
         for rid in request_ids:
             self.frontier.pop(rid, None)
             self.tables.pop(rid, None)
+            self.states.pop(rid, None)
 
     def copy_blocks(self, pairs: torch.Tensor, to_host: bool) -> None:
         """Host-tier copies of the draft's K/V, beside the target's."""
@@ -109,8 +113,7 @@ class DraftModelProposer(Proposer):
 
     # ------------------------------------------------------------------ internals
 
-    def _catch_up(self, step: list[StepInput], states: dict[str, SamplingState]
-                  ) -> dict[str, int]:
+    def _catch_up(self, step: list[StepInput]) -> dict[str, int]:
         """K/V for every position the target computes this step and the draft has not seen;
         returns the row of each speculating request's input token in the logits computed."""
         rows: list[tuple[str, int, np.ndarray]] = []
@@ -123,7 +126,7 @@ class DraftModelProposer(Proposer):
             lo = min(self.frontier.get(s.request_id, first), first)
             tokens = s.tokens[first - s.start:]
             if lo < first:  # a kept draft it never read: from the request's own tokens
-                state = states.get(s.request_id)
+                state = self.states.get(s.request_id)
                 if state is None:
                     lo = first
                 else:
