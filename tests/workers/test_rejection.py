@@ -131,3 +131,14 @@ def test_logprobs_for_every_emitted_token():
     assert all(abs(lp.logprob - float(ref[j, t])) < 1e-5 for j, (lp, t) in
                enumerate(zip(lps, tokens)))
     assert all(len(lp.top_ids) == 2 for lp in lps)
+
+
+def test_a_tiny_temperature_verifies_as_greedy():
+    """temperature 1e-40 is greedy (below 1e-5): drafts kept while they equal the argmax."""
+    logits = torch.full((3, V), -1.0)
+    for row, best in enumerate([3, 5, 1]):
+        logits[row, best] = 2.0
+    for seed in (None, 9):
+        s = state(seed=seed, temperature=1e-40)
+        (tokens, _), = verify(Sampler(0), logits, [Verification(s, [3, 4], None, 0)])
+        assert tokens == [3, 5]

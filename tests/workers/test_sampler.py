@@ -87,3 +87,12 @@ def test_logprobs_are_of_the_raw_distribution():
     lp = lps[0]
     assert lp.token_id == 2 and abs(lp.logprob - ref[2].item()) < 1e-6
     assert lp.top_ids == [2, 1] and torch.allclose(torch.tensor(lp.top_logprobs), ref[[2, 1]])
+
+
+def test_a_tiny_temperature_is_greedy():
+    """Below 1e-5 the temperature means greedy (as in vLLM): dividing by 1e-40 overflows to
+    inf and NaN probabilities, which would pick the last vocabulary id."""
+    logits = torch.tensor([[0.5, 3.0, -1.0, 2.0, 0.0]] * 3)
+    states = [state(temperature=1e-40), state(temperature=1e-6, seed=3), state(temperature=0.0)]
+    tokens, _ = Sampler(0)(logits, states)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
