@@ -5,6 +5,9 @@ the CPU's flags and the torch version, since the code is built with -march=nativ
 raises from `available()`: callers fall back to plain torch when there is no compiler. That
 fallback is logged once per op, as a warning with the build error: it costs several times the
 decode speed, and must not pass unnoticed (as it did when an installed wheel lacked csrc/).
+
+A build is announced (INFO), one process builds a folder at a time, and a lock left by a process
+killed while it built no longer hangs every later start (build_lock.py).
 """
 
 from __future__ import annotations
@@ -15,14 +18,27 @@ import os
 import platform
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from kernels.cpu.build_lock import build_lock
+
 log = logging.getLogger("deepinfer.kernels")
 
 _FLAGS = ["-O3", "-march=native", "-fopenmp"]
+# How long a load waits for another process's build of the same op (one takes ~10 s, longer
+# on a busy machine) before it gives up and falls back to plain torch.
+BUILD_WAIT_S = 300.0
+
+
+def _ensure_ninja() -> None:
+    if shutil.which("ninja") is None:  # the pip wheel's binary, venv inactive
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ["PATH"]
 
 
 def _build_tag() -> str:
@@ -49,21 +65,23 @@ class NativeOp:
         self.op: Callable[..., torch.Tensor] | None = None
         self.error: str | None = None
 
+    def library_name(self) -> str:
+        _ensure_ninja()
+        return f"deepinfer_{self.name}_{_build_tag()}"
+
+    def build_dir(self) -> Path:
+        """Where torch builds it (under TORCH_EXTENSIONS_DIR, or torch's default root)."""
+        from torch.utils.cpp_extension import _get_build_directory
+
+        return Path(_get_build_directory(self.library_name(), verbose=False))
+
     def load(self) -> Callable[..., torch.Tensor] | None:
         if self.op is not None or self.error is not None:
             return self.op
         with self._lock:
             if self.op is None and self.error is None:
                 try:
-                    if shutil.which("ninja") is None:  # the pip wheel's binary, venv inactive
-                        import ninja
-
-                        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ["PATH"]
-                    from torch.utils.cpp_extension import load
-
-                    load(name=f"deepinfer_{self.name}_{_build_tag()}",
-                         sources=[str(self.source)], extra_cflags=_FLAGS,
-                         extra_ldflags=["-fopenmp"], is_python_module=False)
+                    self._build()
                     self.op = getattr(torch.ops.deepinfer_cpu, self.op_name)
                 except Exception as e:  # no compiler / ninja / headers: callers fall back
                     self.error = f"{type(e).__name__}: {e}"
@@ -72,6 +90,25 @@ class NativeOp:
                         "plain torch for it (CPU decode several times slower): %s",
                         self.name, self.source, self.error)
         return self.op
+
+    def _build(self) -> None:
+        """Build (if needed) and load the library, holding its folder against other processes."""
+        from torch.utils.cpp_extension import load
+
+        build_dir = self.build_dir()
+        name = build_dir.name  # torch's folder is named after the library
+        with build_lock(build_dir, self.name, BUILD_WAIT_S):
+            library = build_dir / f"{name}.so"
+            built = library.stat().st_mtime_ns if library.exists() else None
+            if built is None:
+                log.info("building native op %s (first use, ~10 s) in %s", self.name, build_dir)
+            start = time.monotonic()
+            load(name=name, sources=[str(self.source)], extra_cflags=_FLAGS,
+                 extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                 is_python_module=False)
+            if built is not None and library.stat().st_mtime_ns != built:
+                log.info("rebuilt native op %s in %.0f s (its source changed)", self.name,
+                         time.monotonic() - start)
 
     def available(self, *tensors: torch.Tensor | None) -> bool:
         """True when built (building it on first call) and the tensors (None allowed, e.g. a

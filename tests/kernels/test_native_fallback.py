@@ -9,7 +9,8 @@ import torch
 from kernels.cpu.native import NativeOp
 
 
-def test_build_failure_is_logged_once(caplog):
+def test_build_failure_is_logged_once(caplog, tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # its empty folder, not the user's
     op = NativeOp("missing_source", "does_not_exist.cpp", "nope")
     x = torch.zeros(2, 2)
     with caplog.at_level(logging.WARNING, logger="deepinfer.kernels"):

@@ -1,0 +1,111 @@
+"""Native ops never hang on a dead builder's lock.
+
+Each load runs in a fresh process (a server start), with TORCH_EXTENSIONS_DIR a temporary
+folder and a small source of the test's own; a timeout keeps a hang from hanging the suite.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kernels.cpu import native
+from kernels.cpu.native import NativeOp
+
+REPO = Path(__file__).resolve().parents[2]
+LOAD = """
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+import torch
+from kernels.cpu.native import NativeOp
+op = NativeOp(*sys.argv[1:4])
+print("built" if op.load() is not None else f"fallback: {op.error}", flush=True)
+if op.op is not None:
+    print(op(torch.ones(2)).tolist())
+"""
+# A real op (~10 s to build: torch's headers), and a library with nothing in it (~1 s): enough
+# to count builds, though the op it is asked for is then missing (and falls back).
+TWICE = """
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/mul.h>
+#include <torch/library.h>
+at::Tensor test_twice(const at::Tensor& x) { return at::mul(x, 2); }
+TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) { m.def("test_twice(Tensor x) -> Tensor"); }
+TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) { m.impl("test_twice", &test_twice); }
+"""
+EMPTY = 'extern "C" int deepinfer_test_empty() { return 1; }\n'
+
+
+def _source(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / f"{name}.cpp"
+    path.write_text(text)
+    return str(path)
+
+
+def _env(tmp_path: Path, **changes: str | None) -> dict[str, str]:
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    for key, value in changes.items():
+        if value is None:
+            env.pop(key, None)
+        else:
+            env[key] = value
+    return env
+
+
+def _load(args: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    try:
+        return subprocess.run([sys.executable, "-c", LOAD, *args], env=env, cwd=REPO,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        pytest.fail(f"loading native op {args[0]} still waited after {timeout} s: {e.stderr!r}")
+
+
+def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_start(tmp_path):
+    args = ["twice", _source(tmp_path, "twice", TWICE), "test_twice"]
+    env = _env(tmp_path)
+    first = subprocess.Popen([sys.executable, "-c", LOAD, *args], env=env, cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)
+    try:  # killed, with its ninja and compiler, while it compiles (torch's lock is there)
+        deadline = time.monotonic() + 120
+        while not (locks := list((tmp_path / "ext").glob("*/lock"))):
+            assert first.poll() is None and time.monotonic() < deadline, "no build seen"
+            time.sleep(0.02)
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    assert locks[0].exists() and not list((tmp_path / "ext").glob("*/*.so"))
+
+    second = _load(args, env, timeout=150)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.splitlines() == ["built", "[2.0, 2.0]"], second.stderr
+    assert "building native op twice (first use" in second.stderr
+    assert f"removing {locks[0]}" in second.stderr
+
+
+def test_waiting_for_a_live_build_is_logged_and_bounded(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.setattr(native, "BUILD_WAIT_S", 0.5)
+    op = NativeOp("held", _source(tmp_path, "held", EMPTY), "test_empty")
+    build_dir = op.build_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    with open(build_dir / "deepinfer.lock", "w") as held:  # another process, still building
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("12345\n")
+        held.flush()
+        start = time.monotonic()
+        with caplog.at_level(logging.INFO, logger="deepinfer.kernels"):
+            assert op.load() is None
+        assert time.monotonic() - start < 30
+    assert op.error is not None and "gave up after" in op.error and "pid 12345" in op.error
+    assert "waiting for another process (pid 12345) to finish building native op held" \
+        in caplog.text
+    assert not list(build_dir.glob("*.so"))  # it did not build meanwhile
