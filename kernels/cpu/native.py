@@ -1,10 +1,10 @@
 """Build-on-first-use native CPU ops (torch cpp_extension), shared by the CPU kernels.
 
-A NativeOp compiles its C++ source once (~10 s, cached under the torch extensions dir, keyed by
-the CPU's flags and the torch version, since the code is built with -march=native) and never
-raises from `available()`: callers fall back to plain torch when there is no compiler. That
-fallback is logged once per op, as a warning with the build error: it costs several times the
-decode speed, and must not pass unnoticed (as it did when an installed wheel lacked csrc/).
+A NativeOp compiles its C++ source once (~10 s, cached under the torch extensions dir in a folder
+keyed by all that changes the build: see _build_tag) and never raises from `available()`:
+callers fall back to plain torch when there is no compiler. That fallback is logged once per op,
+as a warning with the build error: it costs several times the decode speed, and must not pass
+unnoticed (as it did when an installed wheel lacked csrc/).
 
 A build is announced (INFO), one process builds a folder at a time, and a lock left by a process
 killed while it built no longer hangs every later start (build_lock.py).
@@ -12,11 +12,13 @@ killed while it built no longer hangs every later start (build_lock.py).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import platform
 import shutil
+import subprocess
 import threading
 import time
 from collections.abc import Callable
@@ -41,11 +43,23 @@ def _ensure_ninja() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ["PATH"]
 
 
+@functools.cache
+def _ninja_version() -> str:
+    return subprocess.run(["ninja", "--version"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+
+
 def _build_tag() -> str:
     """Keys the cached build: -march=native code must not run on another CPU, nor an old build
     against another torch; and two installs (a checkout, a wheel) must not rebuild each other's
-    copy on every start, as they would under one name with different source paths."""
+    copy on every start, as they would under one name with different source paths. Nor two
+    toolchains: the compiler command is in build.ninja, and ninja 1.11 and 1.13 hash commands
+    differently in .ninja_log, so processes that found different ones (a test run, a server
+    started from an activated venv) rebuilt each other's op at every start."""
+    from torch.utils.cpp_extension import get_cxx_compiler
+
     flags = f"{platform.machine()} {torch.__version__} {Path(__file__).parent.resolve()}"
+    flags += f" {get_cxx_compiler()} ninja {_ninja_version()}"
     for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):  # not tracked by torch
         flags += header.read_text()
     try:

@@ -1,4 +1,4 @@
-"""Native ops never hang on a dead builder's lock.
+"""Native ops build once per variant and never hang on a dead builder's lock.
 
 Each load runs in a fresh process (a server start), with TORCH_EXTENSIONS_DIR a temporary
 folder and a small source of the test's own; a timeout keeps a hang from hanging the suite.
@@ -9,6 +9,7 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -109,3 +110,48 @@ def test_waiting_for_a_live_build_is_logged_and_bounded(tmp_path, monkeypatch, c
     assert "waiting for another process (pid 12345) to finish building native op held" \
         in caplog.text
     assert not list(build_dir.glob("*.so"))  # it did not build meanwhile
+
+
+def _ninja_paths(tmp_path: Path) -> dict[str, str]:
+    """A PATH folder per ninja version found: the one on PATH and the pip package's."""
+    import ninja
+
+    found = {}
+    for binary in (shutil.which("ninja"), os.path.join(ninja.BIN_DIR, "ninja")):
+        if binary and os.access(binary, os.X_OK):
+            version = subprocess.run([binary, "--version"], capture_output=True,
+                                     text=True).stdout.strip()
+            folder = tmp_path / f"ninja-{version}"
+            folder.mkdir(exist_ok=True)
+            if not (folder / "ninja").exists():
+                (folder / "ninja").symlink_to(binary)
+            found[version] = str(folder)
+    return found
+
+
+def _variants(kind: str, tmp_path: Path) -> tuple[dict[str, str], dict[str, str]]:
+    """Two environments that build the same op differently, as a test process and a server
+    started from an activated venv (ninja) or with CXX set (compiler) differ."""
+    if kind == "ninja":  # 1.11 and 1.13 hash commands differently in .ninja_log
+        folders = list(_ninja_paths(tmp_path).values())
+        if len(folders) < 2:
+            pytest.skip("one ninja version here")
+        return tuple(_env(tmp_path, PATH=f"{f}{os.pathsep}{os.environ['PATH']}")
+                     for f in folders[:2])
+    cxx = shutil.which("c++")
+    if cxx is None:
+        pytest.skip("no c++")
+    return _env(tmp_path, CXX=None), _env(tmp_path, CXX=cxx)
+
+
+@pytest.mark.parametrize("kind", ["compiler", "ninja"])
+def test_alternating_variants_build_once_each(tmp_path, kind):
+    first, second = _variants(kind, tmp_path)
+    args = ["empty", _source(tmp_path, "empty", EMPTY), "test_empty"]
+    builds = set()
+    for env in (first, second, first):  # a test run, a server, a test run
+        done = _load(args, env, timeout=120)
+        assert done.returncode == 0 and "has no attribute 'test_empty'" in done.stdout, \
+            done.stdout + done.stderr  # built and loaded; the op is not in it
+        builds |= {(p, p.stat().st_mtime_ns) for p in (tmp_path / "ext").glob("*/*.so")}
+    assert len(builds) == 2, sorted(builds)
