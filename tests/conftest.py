@@ -1,9 +1,11 @@
-"""Shared fixtures: tiny random HF checkpoints (built once per session) and the default model."""
+"""Shared fixtures: tiny random HF checkpoints (built once per session), the default model, and
+a private DeepInfer cache for the session."""
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,12 +15,49 @@ from engine.envs import cache_dir
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+# The user's cache, taken before session_cache points DEEPINFER_CACHE elsewhere: the default
+# model is prepared there once (~15 s) and read from there by every session.
+USER_CACHE = cache_dir()
+_session_cache: Path | None = None
+
 
 def default_model_dir() -> Path:
-    """The default model, prepared (downloaded and converted, ~15 s) if it is not yet."""
+    """The default model in the user's cache, prepared (downloaded and converted, ~15 s) if it
+    is not yet; the session's cache gets a link to it, so that 'default' finds it there too."""
     from engine.model_store import prepare
 
-    return prepare(DEFAULT_MODEL_NAME, cache_dir())
+    path = prepare(DEFAULT_MODEL_NAME, USER_CACHE)
+    if _session_cache is not None:
+        _link(_session_cache / DEFAULT_MODEL_NAME, path)
+    return path
+
+
+def _link(link: Path, target: Path) -> None:
+    if not link.exists() and not link.is_symlink():
+        link.symlink_to(target, target_is_directory=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache(tmp_path_factory) -> Iterator[Path]:
+    """DEEPINFER_CACHE for the session and the servers it starts: a temporary folder, so that
+    GGUF sidecars and whatever else DeepInfer caches never land in the user's cache. Its
+    prepared models are linked in, to be read (preparing one again replaces its link, it never
+    writes through it), and so is its downloads folder: a model's wheel is kept where preparing
+    that model outside the tests would keep it."""
+    global _session_cache
+    from engine.model_store import RECIPES, is_prepared
+
+    cache = tmp_path_factory.mktemp("deepinfer-cache")
+    for recipe in RECIPES.values():
+        if is_prepared(USER_CACHE / recipe.dir_name):
+            _link(cache / recipe.dir_name, USER_CACHE / recipe.dir_name)
+    if (USER_CACHE / "downloads").is_dir():
+        _link(cache / "downloads", USER_CACHE / "downloads")
+    _session_cache = cache
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DEEPINFER_CACHE", str(cache))
+        yield cache
+    _session_cache = None
 
 
 # arch -> transformers' class prefix (Qwen2: q/k/v biases; Qwen3: qk-norm)
