@@ -104,7 +104,7 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     remote_prefill: KVTransferParams | None = None
 
     def is_greedy(self) -> bool:
-        return self.temperature <= 0.0 or self.top_k == 1
+        return self.temperature < 1e-5 or self.top_k == 1  # tiny temperatures too (as vLLM)
 
 
 # ---------------------------------------------------------------- api <-> tokenizer process
