@@ -36,6 +36,9 @@ KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16")
 # --device: where the workers compute. auto: a CUDA GPU per rank when torch sees one, else the
 # CPU (workers/device.py resolves it in each worker, the only processes that import torch).
 DEVICES = ("auto", "cpu", "cuda")
+# Servers and nodes that talk to each other authenticate with a shared secret (engine/trust.py).
+_NEEDS_SECRET = ("{what} needs the cluster secret, the same on {who}: set "
+                 "DEEPINFER_CLUSTER_SECRET, or --cluster-secret-file FILE")
 # What `pip install 'deepinfer[nixl]'` (nixl-cu12) or `pip install nixl` (both) put in place.
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
@@ -238,6 +241,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  any(importlib.util.find_spec(m) for m in _NIXL_MODULES),
                  "--kv-transfer-backend nixl needs NIXL: pip install 'deepinfer[nixl]'")
         if self.disaggregation_mode != "none":
+            _require(envs.cluster_secret() is not None, _NEEDS_SECRET.format(
+                what=f"--disaggregation-mode {self.disaggregation_mode}",
+                who="the PD router and every prefill and decode server"))
             _require(self.enable_prefix_caching,
                      "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")
             _require(self.nnodes == 1, "--disaggregation-mode runs on one node per server so "
@@ -258,6 +264,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  f"--tensor-parallel-size {world} does not split over --nnodes {self.nnodes}")
         if self.nnodes > 1:
             self.dist_address()  # raises when there is none
+            _require(envs.cluster_secret() is not None, _NEEDS_SECRET.format(
+                what="--nnodes > 1", who="every node"))
         if world == 1:
             return
         model = self.model_config()

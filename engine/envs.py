@@ -26,3 +26,11 @@ def int8_dynamic_activations() -> bool:
     u8 x s8 GEMM with per-token activations (W8A8: faster for prefill and big batches, but the
     7-bit activations change the default model's greedy text early; workers/quantization)."""
     return os.environ.get("DEEPINFER_INT8_DYNAMIC_ACTIVATIONS", "") not in ("", "0")
+
+
+def cluster_secret() -> bytes | None:
+    """The secret DeepInfer's servers, router and nodes share (DEEPINFER_CLUSTER_SECRET;
+    `--cluster-secret-file` sets it for the processes a command starts): what they
+    authenticate each other with (engine/trust.py). None when unset."""
+    value = os.environ.get("DEEPINFER_CLUSTER_SECRET", "")
+    return value.encode() if value else None

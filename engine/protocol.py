@@ -8,11 +8,14 @@ lists of Python ints. A socket that carries several message types uses a tagged 
 from __future__ import annotations
 
 import enum
+from typing import Annotated
 
 import msgspec
 import numpy as np
 
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+# What fits the int32 arrays ids travel in (a peer's larger id is refused where it enters).
+Int32 = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
 
 def pack_ids(ids) -> bytes:
@@ -64,16 +67,20 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prefill server's response gives it (a JSON object) and a decode server takes it back."""
 
     do_remote_prefill: bool  # what a decode server is asked to do with it (always true)
-    transfer_id: str
-    # The prefill server's workers' transfer sockets, one per rank (tcp://host:port).
-    addresses: list[str] = []
+    transfer_id: Annotated[str, msgspec.Meta(max_length=256)]
+    # The prefill server's workers' transfer sockets, one per rank (tcp://host:port#nonce).
+    addresses: list[Annotated[str, msgspec.Meta(max_length=512)]] = []
     # Per KV group, the prefill server's block table (-1: a block it no longer holds).
-    block_ids: list[list[int]]
-    num_tokens: int  # prompt tokens the KV covers
-    block_size: int
-    first_token: int  # the token the prefill sampled after the prompt
+    block_ids: list[list[Annotated[int, msgspec.Meta(ge=-1, le=2**31 - 1)]]]
+    num_tokens: Int32  # prompt tokens the KV covers
+    block_size: Annotated[int, msgspec.Meta(ge=1, le=2**16)]
+    first_token: Int32  # the token the prefill sampled after the prompt
     kv_dtype: str = ""  # the prefill server's KV cache type (--kv-cache-dtype resolved)
     first_logprobs: SampledLogprobs | None = None
+    # engine/trust.py: the prompt's token ids hashed (a decode server checks they are its
+    # prompt's), and the prefill server's signature over every other field.
+    prompt_digest: str = ""
+    signature: str = ""
 
 
 class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
@@ -266,11 +273,23 @@ class NewRequestInfo(msgspec.Struct, **_STRUCT):
 
 class KVPull(msgspec.Struct, **_STRUCT):
     """Decode side: copy a request's prompt KV from a prefill server's blocks into ours.
-    `blocks` per KV group: int32 pairs (remote block, local block)."""
+    `blocks` per KV group: int32 pairs (remote block, local block). `abandon`: copy nothing,
+    only tell the prefill server its hold is no longer wanted (the request ended before it was
+    admitted)."""
 
     request_id: str
     transfer_id: str
     addresses: list[str]
+    blocks: list[bytes]
+    abandon: bool = False
+
+
+class KVHold(msgspec.Struct, **_STRUCT):
+    """Prefill side: a finished prompt's blocks, held for a decode server. A transfer socket
+    serves a read only of a transfer held now, and only of its own blocks (int32 ids per KV
+    group)."""
+
+    transfer_id: str
     blocks: list[bytes]
 
 
@@ -308,10 +327,11 @@ class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
     # int32 pairs (device block, host block), then (host block, device block).
     swap_out: bytes = b""
     swap_in: bytes = b""
-    # Prefill/decode disaggregation: pulls to start (decode side), and transfer ids whose
-    # blocks are no longer held (prefill side: a late pull must not read them).
+    # Prefill/decode disaggregation: pulls to start (decode side); transfers now held, and
+    # transfer ids whose blocks are no longer held (prefill side: what a pull may read).
     kv_pulls: list[KVPull] = []
     kv_released: list[str] = []
+    kv_held: list[KVHold] = []
 
 
 class CompileGrammar(msgspec.Struct, tag=True, **_STRUCT):

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import secrets
 import sys
 
-from engine import model_store
+from engine import envs, model_store
 from engine.config import (
     DEFAULT_MODEL_NAME,
     DEVICES,
@@ -91,6 +93,9 @@ _ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
                    "--kv-cache-dtype": KV_CACHE_DTYPES,
                    "--disaggregation-mode": DISAGGREGATION_MODES,
                    "--kv-transfer-backend": KV_TRANSFER_BACKENDS}
+_SECRET_HELP = ("a file holding the secret DeepInfer's servers, PD router and nodes share to "
+                "authenticate each other (default: DEEPINFER_CLUSTER_SECRET); needed with "
+                "--disaggregation-mode, --nnodes > 1 and the PD router")
 # On/off switches (--x / --no-x); unset keeps the default.
 _ENGINE_SWITCHES = [
     ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),
@@ -144,6 +149,9 @@ def _serve(args: argparse.Namespace) -> int:
     from frontend.server.server import serve
 
     disaggregated = bool(args.prefill_servers)
+    if disaggregated and envs.cluster_secret() is None:
+        # Local servers and their router only: a fresh secret they inherit, no one else knows.
+        os.environ["DEEPINFER_CLUSTER_SECRET"] = secrets.token_hex(32)
     # Checked as the local servers will run: each with a role (it needs the prefix cache).
     overrides = {"disaggregation_mode": "prefill"} if disaggregated else {}
     config = model_store.ensure_config(engine_config(args, **overrides))
@@ -198,6 +206,9 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             return "router: --prefill and --decode go together: a request needs one of each"
         if {u.rstrip("/") for u in prefill} & {u.rstrip("/") for u in decode}:
             return "router: a server is either a --prefill or a --decode server, not both"
+        if prefill and envs.cluster_secret() is None:
+            return ("router: --prefill/--decode need the cluster secret its servers have: set "
+                    "DEEPINFER_CLUSTER_SECRET, or --cluster-secret-file FILE")
     if args.command == "serve":
         prefill, decode = args.prefill_servers, args.decode_servers
         if min(prefill, decode) < 0:
@@ -263,6 +274,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (default: "
                             "$DEEPINFER_API_KEY; unset: open)")
+    serve.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                       help=_SECRET_HELP)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT: seconds requests in flight may take to finish "
                             "while new ones get 503 (default 30; 0: stop at once)")
@@ -306,6 +319,8 @@ def build_parser() -> argparse.ArgumentParser:
     router.add_argument("--api-key", default=None,
                         help="require `Authorization: Bearer KEY` on every /v1 route and pass it "
                              "to the replicas (default: $DEEPINFER_API_KEY)")
+    router.add_argument("--cluster-secret-file", default=None, metavar="FILE",
+                        help=_SECRET_HELP)
     router.add_argument("--health-interval", type=float, default=1.0,
                         help="seconds between health checks of each replica")
     router.add_argument("--log-level", default="info")
@@ -344,6 +359,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "cluster_secret_file", None):
+        try:
+            with open(args.cluster_secret_file) as f:
+                secret = f.read().strip()
+        except OSError as e:
+            parser.error(f"--cluster-secret-file: {e}")
+        if not secret:
+            parser.error(f"--cluster-secret-file: {args.cluster_secret_file} is empty")
+        # The processes this command starts inherit it (never on a command line: ps shows those).
+        os.environ["DEEPINFER_CLUSTER_SECRET"] = secret
     problem = usage_problem(args)
     if problem:
         parser.error(problem)  # `deepinfer: error: ...`, exit code 2

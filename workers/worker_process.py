@@ -42,7 +42,8 @@ def main(ctx: ChildContext) -> None:
     init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init,
                          ctx.config.enable_expert_parallel, device)
     runner = ModelRunner(ctx.config, device)
-    inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank])
+    inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank],
+                               envs.cluster_secret())
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
     decode = msgspec.msgpack.Decoder(WorkerInbound).decode
     encode = msgspec.msgpack.Encoder().encode

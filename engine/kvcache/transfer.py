@@ -3,15 +3,18 @@ workers/kv_transfer/).
 
 Prefill side: a request marked `remote_decode` finishes after its first token with its blocks
 held instead of freed (they are in the prefix cache as usual), and its last output says where
-they are. Every worker rank serves them to the decode server's matching rank; when each rank has
-reported the decode side done with them (or the hold times out, or the request's own client
-aborts it) they are freed, and the next plan tells the ranks to refuse late reads.
+they are. The next plan tells every worker rank which blocks the transfer holds (a rank serves
+a read only of a transfer held now, and only its blocks); each rank serves them to the decode
+server's matching rank; when each rank has reported the decode side done with them (or the hold
+times out, or the request's own client aborts it) they are freed, and the next plan tells the
+ranks to refuse late reads.
 
 Decode side: a request with `remote_prefill` is admitted with blocks for its prompt (the full
 group reuses this server's own prefix cache; a sliding group allocates only the window's) and
 waits while every rank pulls the blocks it lacks. When all ranks report, it runs from the first
 token on; a failed pull fails it; an abort meanwhile waits for the ranks to stop writing before
-its blocks are freed.
+its blocks are freed. A request that ends before it is admitted tells the prefill server to
+free its hold at once (an abandoning pull) instead of leaving it to the hold timeout.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from dataclasses import dataclass, field
 from engine.kvcache.kv_manager import KVManager
 from engine.protocol import (
     KV_TRANSFER_BUCKETS,
+    KVHold,
     KVPull,
     KVTransferDone,
     KVTransferParams,
@@ -31,6 +35,7 @@ from engine.protocol import (
     pack_ids,
 )
 from engine.request import Request
+from engine.trust import prompt_digest
 
 
 @dataclass
@@ -80,6 +85,7 @@ class KVTransfer:
         self._pulls: list[KVPull] = []
         self._cancels: list[str] = []  # requests whose pulls the ranks must stop
         self._released: list[str] = []
+        self._holds: list[KVHold] = []  # new holds the ranks must learn of
         self.expired = 0  # holds freed because no decode server came for them
 
     @property
@@ -87,14 +93,14 @@ class KVTransfer:
         return len(self.held) + len(self.receiving)
 
     def has_plan(self) -> bool:
-        """Pulls to start or stop wait to be sent (a plan goes out for them even with nothing
-        to compute)."""
-        return bool(self._pulls or self._cancels)
+        """Pulls to start or stop, or holds to announce, wait to be sent (a plan goes out for
+        them even with nothing to compute)."""
+        return bool(self._pulls or self._cancels or self._holds)
 
-    def take_plan(self) -> tuple[list[KVPull], list[str], list[str]]:
-        """(pulls to start, requests whose pulls stop, transfer ids released)."""
-        out = self._pulls, self._cancels, self._released
-        self._pulls, self._cancels, self._released = [], [], []
+    def take_plan(self) -> tuple[list[KVPull], list[str], list[str], list[KVHold]]:
+        """(pulls to start, requests whose pulls stop, transfer ids released, new holds)."""
+        out = self._pulls, self._cancels, self._released, self._holds
+        self._pulls, self._cancels, self._released, self._holds = [], [], [], []
         return out
 
     # ------------------------------------------------------------------ prefill side
@@ -102,11 +108,13 @@ class KVTransfer:
     def hold(self, req: Request, logprobs: SampledLogprobs | None) -> KVTransferParams:
         """Keep a finished request's blocks for a decode server; returns where they are."""
         self.held[req.request_id] = _Held(req, self.clock() + self.hold_timeout)
+        self._holds.append(KVHold(req.request_id, [pack_ids([b for b in t if b >= 0])
+                                                   for t in req.tables]))
         return KVTransferParams(
             do_remote_prefill=True, transfer_id=req.request_id,
             block_ids=[list(t) for t in req.tables], num_tokens=req.num_prompt,
             block_size=self.kv.block_size, first_token=req.output_ids[0], first_logprobs=logprobs,
-            kv_dtype=self.kv_dtype)
+            kv_dtype=self.kv_dtype, prompt_digest=prompt_digest(req.prompt_ids))
 
     def confirm(self, msg: KVTransferDone) -> None:
         """A rank's report that the decode side is done with a transfer."""
@@ -157,6 +165,13 @@ class KVTransfer:
         """Its client went away: the ranks cancel the pull; blocks go once they all report."""
         self.receiving[request_id].aborted = True
         self._cancels.append(request_id)
+
+    def abandon(self, req: Request) -> None:
+        """A request that ended before it was admitted: the ranks tell the prefill server to
+        free what it holds for it (their reports concern nothing here)."""
+        remote = req.params.remote_prefill
+        self._pulls.append(KVPull(req.request_id, remote.transfer_id, remote.addresses, [],
+                                  abandon=True))
 
     def received(self, msg: KVTransferDone) -> tuple[Request, str | None, bool] | None:
         """A rank's pull ended; once every rank's has: (request, error, aborted), its blocks

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import hmac
 import shutil
+import socket
 import tempfile
 
 import msgspec
 import zmq
+from zmq.auth.thread import ThreadAuthenticator
+
+from engine.trust import curve_keys
 
 
 class Endpoints(msgspec.Struct, frozen=True):
@@ -23,7 +28,7 @@ class Endpoints(msgspec.Struct, frozen=True):
                ) -> Endpoints:
         """One host: ipc sockets and a file rendezvous in a private directory. Several hosts
         (`dist_address`, node 0's host and port): the torch.distributed rendezvous there, and
-        each rank's plans on the ports after it (tcp, the scheduler binds)."""
+        each rank's plans on the ports after it (tcp, the scheduler binds; CURVE)."""
         # mkdtemp creates the directory with mode 0700: only this user can reach the sockets.
         root = tempfile.mkdtemp(prefix="deepinfer-")
         ep = lambda name: f"ipc://{root}/{name}"
@@ -61,22 +66,66 @@ def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
     return sock
 
 
-def plan_sender(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def plan_sender(ctx: zmq.Context, addr: str, secret: bytes | None) -> zmq.Socket:
     """The scheduler's socket to one worker rank. Over tcp (ranks on other hosts) the scheduler
-    binds, on every interface, so the ranks need only node 0's address."""
+    binds on the host the operator named (--dist-init-addr), and admits only peers that complete
+    a CURVE handshake with the cluster's client key (engine/trust.py): PUSH deals plans to
+    whoever connects, so a stranger's connection would take plans away from a rank."""
     if not addr.startswith("tcp://"):
         return push(ctx, addr)
+    server_public, server_secret, client_public, _ = curve_keys(_required(secret))
+    _admit_only(ctx, client_public)
     sock = ctx.socket(zmq.PUSH)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.bind(f"tcp://*:{addr.rsplit(':', 1)[1]}")
+    sock.curve_server = True
+    sock.curve_publickey, sock.curve_secretkey = server_public, server_secret
+    host, port = addr[len("tcp://"):].rsplit(":", 1)
+    sock.bind(f"tcp://{_address_of(host)}:{port}")
     return sock
 
 
-def plan_receiver(ctx: zmq.Context, addr: str) -> zmq.Socket:
+def plan_receiver(ctx: zmq.Context, addr: str, secret: bytes | None) -> zmq.Socket:
     """A worker rank's socket for its plans (the counterpart of `plan_sender`)."""
     if not addr.startswith("tcp://"):
         return pull(ctx, addr)
+    server_public, _, client_public, client_secret = curve_keys(_required(secret))
     sock = ctx.socket(zmq.PULL)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.curve_serverkey = server_public
+    sock.curve_publickey, sock.curve_secretkey = client_public, client_secret
     sock.connect(addr)
     return sock
+
+
+def _required(secret: bytes | None) -> bytes:
+    if not secret:  # engine/config.py refuses --nnodes > 1 without one: this is a bug
+        raise RuntimeError("plan sockets over tcp need the cluster secret")
+    return secret
+
+
+def _address_of(host: str) -> str:
+    """An IP address to bind for `host` (a name or an address)."""
+    return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+
+
+class _OneKey:
+    """ZAP credentials: the cluster's client key, and no other."""
+
+    def __init__(self, key: bytes) -> None:
+        self.key = key
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return hmac.compare_digest(key, self.key)
+
+
+_authenticators: dict[int, ThreadAuthenticator] = {}
+
+
+def _admit_only(ctx: zmq.Context, client_public: bytes) -> None:
+    """Start the context's ZAP handler (once): CURVE peers need `client_public`."""
+    if id(ctx) in _authenticators:
+        return
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve_callback("*", credentials_provider=_OneKey(client_public))
+    _authenticators[id(ctx)] = auth

@@ -28,6 +28,7 @@ from engine.protocol import (
 )
 from engine.request import Request, Status
 from engine.spec.policy import SpecPolicy
+from engine.trust import prompt_digest
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class SchedulerConfig:
     worker_ranks: int = 1  # every rank reports its KV transfers (disaggregation)
     kv_hold_timeout: float = 120.0  # prefill: a held prompt's KV is freed after this
     kv_dtype: str = "float32"  # what the KV cache stores: a transfer's two ends must agree
+    vocab_size: int = 2**31 - 1  # token ids a peer may hand over (a remote first token)
 
 
 @dataclass
@@ -103,7 +105,7 @@ class Scheduler:
             )
         remote = msg.params.remote_prefill
         if remote is not None:
-            why = self._check_remote(remote, len(prompt))
+            why = self._check_remote(remote, prompt)
             if why is not None:
                 return self._reject(msg.request_id, f"kv_transfer_params: {why}")
         req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
@@ -130,11 +132,18 @@ class Scheduler:
         self.waiting.append(req)
         return TokenDelta(request_id, b"")
 
-    def _check_remote(self, remote, num_prompt: int) -> str | None:
-        """Why a prefill server's KV cannot continue this request here (None: it can)."""
+    def _check_remote(self, remote, prompt) -> str | None:
+        """Why a prefill server's KV cannot continue this request here (None: it can). Its
+        blocks enter this server's prefix cache under this prompt's tokens: they must be the
+        ones the prefill server computed them for."""
+        num_prompt = len(prompt)
         if remote.num_tokens != num_prompt:
             return (f"the prefill server computed {remote.num_tokens} prompt tokens, this "
                     f"server's prompt has {num_prompt} (a different model or tokenizer?)")
+        if remote.prompt_digest != prompt_digest(prompt):
+            return "the prefill server computed another prompt than this request's"
+        if not 0 <= remote.first_token < self.config.vocab_size:
+            return f"first_token {remote.first_token} is outside the vocabulary"
         if remote.block_size != self.config.block_size:
             return (f"block_size {remote.block_size} differs from this server's "
                     f"{self.config.block_size}")
@@ -179,6 +188,8 @@ class Scheduler:
             self.running.remove(req)
         elif req.status == Status.WAITING:
             self.waiting.remove(req)
+            if req.params.remote_prefill is not None and not req.output_ids:
+                self.transfer.abandon(req)  # its prompt's KV waits on a prefill server
         elif req.status == Status.RECEIVING:
             self.transfer.abort(req.request_id)  # its blocks go once the ranks stop writing
         req.status = Status.FINISHED
@@ -340,7 +351,8 @@ class Scheduler:
             step.plan.swap_out = pack_ids(swap_out)
         if swap_in:
             step.plan.swap_in = pack_ids(swap_in)
-        step.plan.kv_pulls, cancels, step.plan.kv_released = self.transfer.take_plan()
+        plan = step.plan
+        plan.kv_pulls, cancels, plan.kv_released, plan.kv_held = self.transfer.take_plan()
         step.plan.finished = self._finished_for_workers + cancels
         self._finished_for_workers = []
         return step

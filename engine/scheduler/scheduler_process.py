@@ -16,6 +16,7 @@ import time
 import msgspec
 import zmq
 
+from engine import envs
 from engine.protocol import (
     Abort,
     CompileGrammar,
@@ -56,6 +57,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         worker_ranks=cfg.tensor_parallel_size,
         kv_hold_timeout=cfg.kv_hold_timeout,
         kv_dtype=cfg.kv_dtype(),
+        vocab_size=model.vocab_size,
     ))
 
 
@@ -65,7 +67,8 @@ class SchedulerLoop:
         self.overlap = ctx.config.overlap_scheduling
         self.inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
         self.to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
-        self.to_workers = [plan_sender(ctx.zmq, addr) for addr in ctx.endpoints.workers_in]
+        self.to_workers = [plan_sender(ctx.zmq, addr, envs.cluster_secret())
+                           for addr in ctx.endpoints.workers_in]
         self.decode = msgspec.msgpack.Decoder(SchedulerInbound).decode
         self.encode = msgspec.msgpack.Encoder().encode
         self.pending: list = []  # requests/aborts that arrived while we waited for a result
@@ -76,7 +79,10 @@ class SchedulerLoop:
     def run(self) -> None:
         in_flight: ScheduledStep | None = None
         while True:
-            idle = in_flight is None and not self.scheduler.has_work()
+            # Idle: nothing in flight, to run, or to tell the ranks (a new hold of a prompt's
+            # KV must reach them before a decode server asks for it).
+            idle = (in_flight is None and not self.scheduler.has_work()
+                    and not self.scheduler.transfer.has_plan())
             self._handle(self._drain(block=idle and not self.pending))
             if in_flight is not None and (in_flight.speculative
                                           or self.scheduler.wants_speculation()):

@@ -13,6 +13,11 @@ streaming). A decode server that fails before answering is skipped like a data-p
 and the next one gets the same kv_transfer_params: the prefill server holds the KV until one
 pulls it (up to its --kv-hold-timeout).
 
+`kv_transfer_params` is the router's field: a client that sends it gets a 400. Every body the
+router writes with it carries the router's proof (an HMAC under the cluster secret the servers
+share, engine/trust.py), and the prefill server signs the parameters it answers with, so a
+decode server pulls only from the prefill server the router chose, for this request's prompt.
+
 Fallbacks, sent unchanged to a decode server, which then computes the prompt itself (right, just
 not disaggregated): a body that is no JSON object; n > 1 or a batch of prompts (one KV handle
 serves one sequence); at most one token to generate (nothing left to decode); a prefill answer
@@ -29,12 +34,17 @@ from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from engine import envs
+from engine.trust import ROUTER_HEADER, router_proof
 from frontend.auth import UNAUTHORIZED, authorized
 from frontend.router.app import Router, forward_headers, json_or_none, routing_text
 from frontend.router.policy import Policy
 
 log = logging.getLogger("deepinfer.router")
 DISAGGREGATED, FALLBACK = "disaggregated", "fallback"
+_PARAM = "kv_transfer_params"
+CLIENT_PARAMS = {"error": {"message": f"{_PARAM} is set by the router, not by clients",
+                           "type": "invalid_request_error", "param": _PARAM, "code": None}}
 
 
 def decode_only(path: str, payload: object) -> bool:
@@ -60,14 +70,19 @@ def prefill_body(payload: dict) -> bytes:
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1
-    body |= {"stream": False, "kv_transfer_params": {"do_remote_decode": True}}
+    body |= {"stream": False, _PARAM: {"do_remote_decode": True}}
     return json.dumps(body).encode()
+
+
+def signed(headers: dict[str, str], secret: bytes, path: str, body: bytes) -> dict[str, str]:
+    """`headers` with the router's proof that it wrote `body` for `path`."""
+    return headers | {ROUTER_HEADER: router_proof(secret, path, body)}
 
 
 def transfer_params(response: Response) -> dict | None:
     """The kv_transfer_params of a prefill server's answer (None: it has none to hand over)."""
     answer = json_or_none(response.body) if 200 <= response.status_code < 300 else None
-    params = answer.get("kv_transfer_params") if isinstance(answer, dict) else None
+    params = answer.get(_PARAM) if isinstance(answer, dict) else None
     return params if isinstance(params, dict) else None
 
 
@@ -76,6 +91,10 @@ class PDRouter(Router):
                  health_interval: float = 1.0, api_key: str | None = None) -> None:
         # One pool to the base class (health loop, metrics per replica), two for placement.
         super().__init__([*prefill_urls, *decode_urls], policy, health_interval, api_key)
+        self.secret = envs.cluster_secret()
+        if self.secret is None:
+            raise ValueError("the PD router needs the cluster secret its servers have "
+                             "(DEEPINFER_CLUSTER_SECRET)")
         self.prefill = self.replicas[:len(prefill_urls)]
         self.decode = self.replicas[len(prefill_urls):]
         self.decode_policy = Policy("least_load")
@@ -98,20 +117,24 @@ class PDRouter(Router):
             return self.unavailable(self.decode)
         body = await request.body()
         payload = json_or_none(body)
+        if isinstance(payload, dict) and _PARAM in payload:
+            return JSONResponse(CLIENT_PARAMS, status_code=400)
         path, headers = request.url.path, forward_headers(request)
         text = routing_text(path, payload)
         route = FALLBACK
         if not decode_only(path, payload):
             headers["content-type"] = "application/json"  # the router writes the bodies now
-            prefill = await self.place(self.prefill, self.policy, text, path,
-                                       prefill_body(payload), headers, stream=False)
+            first = prefill_body(payload)
+            prefill = await self.place(self.prefill, self.policy, text, path, first,
+                                       signed(headers, self.secret, path, first), stream=False)
             if prefill is None:
                 log.warning("no prefill server could take a request: its decode server "
                             "computes the prompt")
             elif not 200 <= prefill.status_code < 300:
                 return prefill  # the request's own fault: the client's to see
             elif (params := transfer_params(prefill)) is not None:
-                body = json.dumps(payload | {"kv_transfer_params": params}).encode()
+                body = json.dumps(payload | {_PARAM: params}).encode()
+                headers = signed(headers, self.secret, path, body)
                 route = DISAGGREGATED
         self.pd_requests.labels(route).inc()
         stream = isinstance(payload, dict) and bool(payload.get("stream"))

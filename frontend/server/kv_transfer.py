@@ -3,10 +3,15 @@ name) and the one a prefill server's response carries.
 
 - `{"do_remote_decode": true}` to a `--disaggregation-mode prefill` server: compute the prompt and
   its first token only (max_tokens becomes 1) and keep the KV; the response's
-  `kv_transfer_params` says where it is (absent when the request ended for good on that token).
+  `kv_transfer_params` says where it is (absent when the request ended for good on that token),
+  signed with the cluster secret and bound to the prompt's tokens (engine/trust.py).
 - That object, verbatim (it says `"do_remote_prefill": true`), to a `--disaggregation-mode
   decode` server with the original request: pull the KV and continue; the response is the
   whole ordinary one, first token included.
+
+Only the PD router may send the field: a request carrying it must carry the router's proof
+(an HMAC of its body under the cluster secret), and a decode server takes only parameters a
+prefill server of its cluster signed. Anything else is a 400 naming the field.
 """
 
 from __future__ import annotations
@@ -14,8 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from starlette.requests import Request
 
+from engine import envs
 from engine.protocol import KVTransferParams, SamplingParams
+from engine.trust import ROUTER_HEADER, TrustError, check_params, check_router_proof, sign_params
 from frontend.server.errors import APIError
 from frontend.server.state import ServerState
 
@@ -27,12 +35,17 @@ def _check(ok: bool, message: str) -> None:
         raise APIError(f"{_PARAM}: {message}", param=_PARAM)
 
 
-def apply_kv_transfer(raw: dict[str, Any] | None, params: SamplingParams, state: ServerState,
-                      n: int, stream: bool) -> SamplingParams:
-    """`params` with the request's disaggregation role; a 400 naming the field when this
-    server cannot play it."""
+def apply_kv_transfer(request: Request, raw: dict[str, Any] | None, params: SamplingParams,
+                      state: ServerState, n: int, stream: bool) -> SamplingParams:
+    """`params` with the request's disaggregation role; a 400 naming the field when the sender
+    is not the PD router or this server cannot play the role. `request`: its body read
+    (http_io.read_body), for the router's proof."""
     if not raw:
         return params
+    secret = envs.cluster_secret()
+    _check(check_router_proof(secret, request.url.path, request.state.body,
+                              request.headers.get(ROUTER_HEADER)),
+           "only the PD router (deepinfer router --prefill ... --decode ...) may set this field")
     mode = getattr(state.client, "disaggregation_mode", "none")
     if raw.get("do_remote_decode"):
         _check(mode == "prefill", "do_remote_decode needs a server started with "
@@ -46,7 +59,8 @@ def apply_kv_transfer(raw: dict[str, Any] | None, params: SamplingParams, state:
         _check(n == 1, "do_remote_prefill takes one choice (n = 1)")
         try:
             remote = msgspec.convert(raw, KVTransferParams)
-        except msgspec.ValidationError as exc:
+            check_params(secret, remote)
+        except (msgspec.ValidationError, TrustError) as exc:
             raise APIError(f"{_PARAM}: {exc}", param=_PARAM) from None
         ranks = state.client.worker_ranks
         _check(len(remote.addresses) == ranks,
@@ -58,8 +72,8 @@ def apply_kv_transfer(raw: dict[str, Any] | None, params: SamplingParams, state:
 
 def response_params(held: KVTransferParams | None, state: ServerState
                     ) -> dict[str, Any] | msgspec.UnsetType:
-    """A prefill server's answer: where its workers hold the prompt's KV."""
+    """A prefill server's answer: where its workers hold the prompt's KV, signed."""
     if held is None:
         return msgspec.UNSET
-    return msgspec.to_builtins(msgspec.structs.replace(
-        held, addresses=list(state.client.kv_transfer_addresses)))
+    located = msgspec.structs.replace(held, addresses=list(state.client.kv_transfer_addresses))
+    return msgspec.to_builtins(sign_params(envs.cluster_secret(), located))

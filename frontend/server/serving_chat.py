@@ -57,7 +57,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     messages = chat_messages(req.messages)
     rendered_tools = tools.render_tools() if tools is not None else None
     n = req.n or 1
-    params = apply_kv_transfer(req.kv_transfer_params, params, state, n, bool(req.stream))
+    params = apply_kv_transfer(request, req.kv_transfer_params, params, state, n,
+                               bool(req.stream))
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     add_prompt = req.add_generation_prompt is not False
     engine_requests = [

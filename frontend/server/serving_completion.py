@@ -54,8 +54,8 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
                                grammar_spec(req, state.grammar_max_bytes))
     prompts = completion_prompts(req)
     n = req.n or 1
-    params = apply_kv_transfer(req.kv_transfer_params, params, state, n * len(prompts),
-                               bool(req.stream))
+    params = apply_kv_transfer(request, req.kv_transfer_params, params, state,
+                               n * len(prompts), bool(req.stream))
     rid = f"cmpl-{uuid.uuid4().hex}"
     gen = Generation(state, "completions", _engine_requests(rid, prompts, params, n), "prompt")
     try:

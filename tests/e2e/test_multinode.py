@@ -1,5 +1,6 @@
 """Two "nodes" on this machine over loopback: node 1 runs only worker rank 1, node 0 the API
-server, tokenizer, scheduler and rank 0; tensor parallelism spans both (gloo over TCP)."""
+server, tokenizer, scheduler and rank 0; tensor parallelism spans both (gloo over TCP). The
+plan sockets admit only nodes holding the cluster secret (CURVE), on the address named."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import httpx
+import zmq
 
 from engine import LLM, SamplingParams
 from tests.conftest import save_tiny_model
@@ -45,20 +47,35 @@ def test_two_nodes_give_the_one_node_text(tmp_path):
     port = free_ports(3)  # the rendezvous, then rank 0's and rank 1's plans
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2",
              "--dist-init-addr", f"127.0.0.1:{port}"]
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+    secret = {"DEEPINFER_CLUSTER_SECRET": "multinode-test-secret"}
+    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", **secret)
     node1 = subprocess.Popen(
         [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model), *flags,
          "--node-rank", "1"], cwd=REPO, env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        node0 = ServerProcess(model, *flags, "--node-rank", "0")
+        node0 = ServerProcess(model, *flags, "--node-rank", "0", env=secret)
+        # Strangers connect to both ranks' plan sockets (a PUSH deals plans round-robin: one
+        # such connection had taken plans, prompt tokens included, away from a rank).
+        ctx = zmq.Context()
+        strangers = []
+        for plan_port in (port + 1, port + 2):
+            sock = ctx.socket(zmq.PULL)
+            sock.connect(f"tcp://127.0.0.1:{plan_port}")
+            strangers.append(sock)
         try:
-            r = httpx.post(f"{node0.base_url}/v1/completions", timeout=60, json={
-                "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            assert r.json()["choices"][0]["text"] == ref.text
+            for _ in range(3):
+                r = httpx.post(f"{node0.base_url}/v1/completions", timeout=60, json={
+                    "model": "tiny", "prompt": prompt, "max_tokens": 16, "temperature": 0,
+                    "ignore_eos": True})
+                assert r.status_code == 200, r.text
+                assert r.json()["choices"][0]["text"] == ref.text
+            assert not any(sock.poll(100) for sock in strangers)
+            # Bound on the address --dist-init-addr names, not on every interface.
+            with socket.socket() as s:
+                assert s.connect_ex(("127.0.0.2", port + 1)) != 0
         finally:
+            ctx.destroy(linger=0)
             node0.stop()
         assert node1.wait(timeout=60) == 0  # node 0's scheduler told its rank to exit
     finally:

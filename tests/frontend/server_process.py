@@ -58,13 +58,15 @@ def descendants(pid: int) -> list[int]:
 
 
 class ServerProcess:
-    def __init__(self, model_dir: Path, *extra: str, timeout: float = 180.0) -> None:
+    def __init__(self, model_dir: Path, *extra: str, timeout: float = 180.0,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-server-", suffix=".log")
         cmd = [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model_dir),
                "--port", str(self.port), *extra]
-        env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false",
+                   **(env or {}))
         # Its own session: teardown can reach the whole group, and only this group.
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
                                      env=env, start_new_session=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from engine import model_store
 from engine.config import ModelConfigError
 from frontend import cli
+from tests.conftest import save_tiny_model
 from tests.engine.model_store.tiny_gguf import use_tiny_default_model
 
 
@@ -104,7 +106,8 @@ def test_router_and_serve_refuse_half_a_topology(argv, problem, capsys):
     assert err.splitlines()[-1].startswith("deepinfer: error: ")
 
 
-def test_router_modes_parse():
+def test_router_modes_parse(monkeypatch):
+    monkeypatch.setenv("DEEPINFER_CLUSTER_SECRET", "s")
     parse = cli.build_parser().parse_args
     pd = parse(["router", "--prefill", "http://p1", "--prefill", "http://p2", "--decode",
                 "http://d", "--port", "9"])
@@ -114,6 +117,37 @@ def test_router_modes_parse():
     assert cli.usage_problem(pd) is None and cli.usage_problem(dp) is None
     serve = parse(["serve", "--prefill-servers", "1", "--decode-servers", "2"])
     assert cli.usage_problem(serve) is None and cli.usage_problem(parse(["serve"])) is None
+    monkeypatch.delenv("DEEPINFER_CLUSTER_SECRET")
+    assert "DEEPINFER_CLUSTER_SECRET" in cli.usage_problem(pd)  # its servers authenticate it
+
+
+def test_the_cluster_secret_comes_from_a_file_and_reaches_the_processes(tmp_path, monkeypatch,
+                                                                        capsys):
+    monkeypatch.delenv("DEEPINFER_CLUSTER_SECRET", raising=False)
+    secret = tmp_path / "secret"
+    secret.write_text("from-a-file\n")
+    monkeypatch.setattr(cli, "_router", lambda args: 0)
+    assert cli.main(["router", "--prefill", "http://p", "--decode", "http://d",
+                     "--cluster-secret-file", str(secret)]) == 0
+    assert os.environ["DEEPINFER_CLUSTER_SECRET"] == "from-a-file"  # children inherit it
+    secret.write_text("")
+    with pytest.raises(SystemExit):
+        cli.main(["router", "--prefill", "http://p", "--decode", "http://d",
+                  "--cluster-secret-file", str(secret)])
+    assert "is empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--disaggregation-mode", "decode"],
+                                   ["--nnodes", "2", "--dist-init-addr", "127.0.0.1:1"]])
+def test_servers_that_talk_to_peers_need_the_cluster_secret(monkeypatch, tmp_path, flags):
+    monkeypatch.delenv("DEEPINFER_CLUSTER_SECRET", raising=False)
+    model = save_tiny_model(tmp_path / "tiny")
+    config = cli.engine_config(cli.build_parser().parse_args(["serve", "--model", str(model),
+                                                              "--tensor-parallel-size", "2",
+                                                              *flags]))
+    with pytest.raises(ModelConfigError, match="needs the cluster secret"):
+        config.check_disaggregation()
+        config.check_parallel()
 
 
 @pytest.fixture()
@@ -123,6 +157,8 @@ def started(monkeypatch):
     from frontend.router import server
 
     seen: dict = {"argvs": [], "configs": []}
+    # A disaggregated topology makes its own secret for its processes: not for later tests.
+    monkeypatch.delenv("DEEPINFER_CLUSTER_SECRET", raising=False)
 
     @contextlib.contextmanager
     def local_servers(argvs, api_key, start_timeout):
@@ -160,6 +196,9 @@ def test_serve_prefill_and_decode_servers_each_get_their_role(started):
     assert (prefill, decode, host, port) == (["http://127.0.0.1:9000"],
                                              ["http://127.0.0.1:9001", "http://127.0.0.1:9002"],
                                              "127.0.0.1", 8)
+    # A fresh cluster secret, passed to the servers by their environment (not their argv).
+    assert len(os.environ["DEEPINFER_CLUSTER_SECRET"]) == 64
+    assert not any(os.environ["DEEPINFER_CLUSTER_SECRET"] in " ".join(a) for a in argvs)
 
 
 def test_serve_data_parallel_shares_the_cores_over_its_replicas(started, monkeypatch):

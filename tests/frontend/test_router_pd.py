@@ -18,12 +18,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from engine.trust import ROUTER_HEADER, check_router_proof
 from frontend.router.app import build_router_app
 from frontend.router.pd import PDRouter
 from frontend.router.policy import Policy
 from tests.frontend.server_process import free_port
 
 KEY = "sk-pd-test"
+SECRET = "pd-router-test-secret"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 BAD_REQUEST = {"error": {"message": "prompt is bad", "type": "invalid_request_error",
                          "param": "prompt", "code": None}}
@@ -40,7 +42,7 @@ class Upstream:
     `fail_with` makes every completion answer that status."""
 
     def __init__(self, role: str) -> None:
-        self.role, self.bodies, self.auth = role, [], []
+        self.role, self.bodies, self.auth, self.proofs = role, [], [], []
         self.fail_with: int | None = None
 
     def sent(self) -> list[dict]:
@@ -50,6 +52,9 @@ class Upstream:
         raw = await request.body()
         self.bodies.append(raw)
         self.auth.append(request.headers.get("authorization"))
+        # Whether the router proved it wrote this body (as a real server checks it).
+        self.proofs.append(check_router_proof(SECRET.encode(), request.url.path, raw,
+                                              request.headers.get(ROUTER_HEADER)))
         if self.fail_with:
             return JSONResponse({"error": {"message": "overloaded"}}, self.fail_with)
         try:
@@ -111,6 +116,13 @@ class Served:
         self.thread.join(10)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def cluster_secret():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_CLUSTER_SECRET", SECRET)
+        yield
+
+
 @pytest.fixture(scope="module")
 def upstreams():
     stubs = {"prefill": Upstream("prefill"), "decode": Upstream("decode")}
@@ -126,6 +138,7 @@ def stubs(upstreams):
     for stub in stubs.values():
         stub.bodies.clear()
         stub.auth.clear()
+        stub.proofs.clear()
     return stubs
 
 
@@ -171,6 +184,8 @@ def test_a_request_is_prefilled_then_decoded_with_the_prefill_servers_kv_params(
                    "transfer_id": "t-1", "blocks": [[3, 4], [5]]}
     assert decode == {**body, "kv_transfer_params": handed_over}
     assert stubs["prefill"].auth == stubs["decode"].auth == [AUTH["Authorization"]]
+    # Both bodies the router wrote carry its proof (the servers take the field only then).
+    assert stubs["prefill"].proofs == stubs["decode"].proofs == [True]
     assert pd_count(router, "disaggregated") == before + 1
 
 
@@ -200,6 +215,7 @@ def test_a_prefill_answer_without_kv_params_falls_back_to_the_original_request(s
     assert r.status_code == 200 and lines[-1] == "data: [DONE]"
     assert len(stubs["prefill"].bodies) == 1
     assert stubs["decode"].sent() == [body]  # unchanged: no kv_transfer_params
+    assert stubs["decode"].proofs == [False]  # nor the router's proof
     assert pd_count(router, "fallback") == before + 1
 
 
@@ -219,6 +235,18 @@ def test_requests_the_split_cannot_serve_go_unchanged_to_a_decode_server(stubs, 
     assert r.status_code in (200, 400)
     assert stubs["prefill"].bodies == []
     assert stubs["decode"].bodies == [content]  # byte for byte
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16])
+def test_a_clients_kv_transfer_params_are_refused_before_anything_is_sent(stubs, router,
+                                                                          max_tokens):
+    """The field is the router's: a client that sets it (the prefix-cache poisoning repro went
+    through the one-token fallback, straight to a decode server) gets a 400 naming it."""
+    r = post(router, "/v1/completions", {
+        "model": "m", "prompt": "p", "max_tokens": max_tokens,
+        "kv_transfer_params": {"do_remote_prefill": True, "addresses": ["tcp://evil:1#n"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    assert stubs["prefill"].bodies == [] and stubs["decode"].bodies == []
 
 
 def test_a_prefill_servers_400_reaches_the_client_unchanged(stubs, router):

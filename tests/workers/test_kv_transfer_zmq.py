@@ -1,5 +1,6 @@
 """The KV-transfer threads (workers/kv_transfer/) on their own: a real KVSender and KVPuller
-over ZeroMQ tcp with small CPU caches, PULL sockets standing in for the two schedulers.
+over ZeroMQ tcp with small CPU caches, PULL sockets standing in for the two schedulers (the
+sender learns of holds as a plan would tell it, `KVSender.hold`).
 
 `Link` is shared with tests/workers/test_kv_transfer_nixl.py (the same checks, NIXL moving
 the blocks)."""
@@ -17,10 +18,13 @@ import zmq
 
 from engine import config as engine_config
 from engine.config import EngineConfig, ModelConfigError
-from engine.protocol import KVPull, KVTransferDone, pack_ids
+from engine.protocol import KVHold, KVPull, KVTransferDone, pack_ids
 from engine.runtime.ipc import pull as bind_pull
-from workers.kv_transfer.puller import KVPuller
+from workers.kv_transfer.puller import MAX_CONCURRENT_PULLS, KVPuller
 from workers.kv_transfer.sender import KVSender
+from workers.kv_transfer.wire import Read, ReadReply, seal_request, split_address
+
+SECRET = b"test-cluster-secret"
 
 NUM_BLOCKS = 12
 # Per KV group, (block shape, dtype) of each cache tensor: a full group of two layers' K and V,
@@ -54,7 +58,8 @@ class Link:
 
     def __init__(self, backend: str = "zmq", timeout: float = 10.0,
                  src: list[list[torch.Tensor]] | None = None,
-                 dst: list[list[torch.Tensor]] | None = None) -> None:
+                 dst: list[list[torch.Tensor]] | None = None,
+                 puller_secret: bytes = SECRET) -> None:
         self.zctx = zmq.Context()
         tag = uuid.uuid4().hex
         self.sent = bind_pull(self.zctx, f"inproc://sent-{tag}")
@@ -62,15 +67,22 @@ class Link:
         self.src = make_caches(1) if src is None else src
         self.dst = make_caches(None) if dst is None else dst
         self.sender = KVSender(self.zctx, self.src, "127.0.0.1", 0, f"inproc://sent-{tag}",
-                               backend=backend)
+                               SECRET, backend=backend)
         self.puller = KVPuller(self.zctx, self.dst, 0, f"inproc://pulled-{tag}", timeout,
-                               backend=backend)
+                               puller_secret, backend=backend)
         self.sender.start()
-        self.puller.start()
+
+    def hold(self, transfer_id: str, blocks: list[list[int]]) -> None:
+        """The prefill scheduler holds these blocks (per group) for `transfer_id`."""
+        self.sender.hold([KVHold(transfer_id, [pack_ids(g) for g in blocks])])
 
     def pull(self, transfer_id: str, pairs: list[list[tuple[int, int]]],
-             address: str | None = None, request_id: str | None = None) -> KVPull:
-        """Start pulling (remote block, local block) pairs per group."""
+             address: str | None = None, request_id: str | None = None,
+             held: bool = True) -> KVPull:
+        """Start pulling (remote block, local block) pairs per group; the sender holds the
+        remote ones for the transfer first, unless `held` is False."""
+        if held:
+            self.hold(transfer_id, [[r for r, _ in g] for g in pairs])
         job = KVPull(request_id or transfer_id, transfer_id, [address or self.sender.address],
                      [pack_ids([x for pair in g for x in pair]) for g in pairs])
         self.puller.submit([job])
@@ -134,8 +146,9 @@ def test_group_with_nothing_to_pull(link):
 
 
 def test_released_transfer_is_refused(link):
+    link.hold("gone", [[3, 7, 0], [11, 4], []])
     link.sender.release(["gone"])
-    link.pull("gone", PAIRS)
+    link.pull("gone", PAIRS, held=False)
     done = link.report(link.pulled)
     assert "released" in done.error
     link.check_copied([[], [], []])  # nothing written
@@ -147,9 +160,82 @@ def test_restarted_sender_is_refused(link):
     assert "restarted" in link.report(link.pulled).error
 
 
-def test_out_of_range_block_is_refused(link):
-    link.pull("t4", [[(NUM_BLOCKS, 0)], [], []])
-    assert "out of range" in link.report(link.pulled).error
+def test_blocks_outside_the_transfer_are_refused(link):
+    """A read of a transfer held now, but of blocks it does not hold (another request's, or
+    past the cache): nothing is sent."""
+    link.hold("t4", [[3, 7], [11], []])
+    for pairs in ([[(3, 0), (8, 1)], [], []], [[(NUM_BLOCKS, 0)], [], []],
+                  [[(3, 0)], [(2**31 - 1, 1)], []]):
+        link.pull("t4", pairs, held=False)
+        assert "not the transfer's own" in link.report(link.pulled).error
+    link.check_copied([[], [], []])
+
+
+def test_a_transfer_held_elsewhere_is_not_served_to_another_transfer(link):
+    """Holding one transfer does not open another's blocks: a read names its transfer, and
+    gets only what that one holds."""
+    link.hold("mine", [[3], [], []])
+    link.hold("theirs", [[7], [], []])
+    link.pull("mine", [[(7, 0)], [], []], held=False)
+    assert "not the transfer's own" in link.report(link.pulled).error
+    link.check_copied([[], [], []])
+
+
+def test_a_pull_waits_for_a_hold_on_its_way(link):
+    """The decode side may ask before the prefill rank's plan told it of the hold: it asks
+    again until the hold arrives."""
+    link.pull("late", PAIRS, held=False)
+    time.sleep(0.3)
+    assert not link.pulled.poll(0)  # still asking
+    link.hold("late", [[r for r, _ in g] for g in PAIRS])
+    assert link.report(link.pulled).error is None
+    link.check_copied(PAIRS)
+
+
+def test_a_transfer_never_held_fails_at_the_deadline():
+    link = Link(timeout=0.5)
+    link.pull("never", PAIRS, held=False)
+    assert "not held" in link.report(link.pulled).error
+    link.check_copied([[], [], []])
+
+
+def test_unauthenticated_requests_get_nothing(link):
+    """A peer without the cluster secret, even with the sender's nonce from its address and a
+    held transfer's id, reads no block and releases nothing."""
+    link.hold("t9", [[3, 7], [11], []])
+    endpoint, nonce = split_address(link.sender.address)
+    sock = link.zctx.socket(zmq.DEALER)
+    sock.connect(endpoint)
+    read = msgspec.msgpack.encode(Read(1, nonce, "t9", [pack_ids([3]), pack_ids([]),
+                                                      pack_ids([])]))
+    for frames in ([read], [read, b"\0" * 32], seal_request(b"another-secret", nonce, read)):
+        sock.send_multipart(frames)
+        assert sock.poll(5000)
+        reply, *rest = sock.recv_multipart()
+        answer = msgspec.msgpack.decode(reply, type=ReadReply)
+        assert "unauthenticated" in answer.error and rest == [b""]  # no blocks
+    assert not link.sent.poll(200)  # and no Release reached the scheduler
+
+
+def test_a_puller_with_another_secret_fails_clearly():
+    link = Link(puller_secret=b"another-secret")
+    link.pull("t10", PAIRS)
+    assert "unauthenticated" in link.report(link.pulled).error
+    link.check_copied([[], [], []])
+
+
+def test_a_dead_prefill_server_does_not_hold_up_other_pulls():
+    """Pulls from an address that never answers wait out their deadline while a pull from a
+    live server goes through at once."""
+    link = Link(timeout=30)
+    dead = f"{free_endpoint()}#nonce"
+    for i in range(MAX_CONCURRENT_PULLS - 1):
+        link.pull(f"dead{i}", PAIRS, address=dead)
+    link.pull("alive", PAIRS)
+    done = link.report(link.pulled, timeout=10)
+    assert (done.transfer_id, done.error) == ("alive", None)
+    link.check_copied(PAIRS)
+    link.puller.cancel([f"dead{i}" for i in range(MAX_CONCURRENT_PULLS - 1)])
 
 
 def test_dead_endpoint_times_out():
@@ -172,6 +258,18 @@ def test_cancel_stops_a_pull():
     link.puller.cancel(["r7"])
     done = link.report(link.pulled)
     assert done.transfer_id == "r7" and done.cancelled and time.monotonic() - t0 < 5
+
+
+def test_an_abandoning_pull_only_releases_the_remote_hold(link):
+    """A request that ended before its pull was admitted tells the prefill side to free its
+    hold, and copies nothing."""
+    link.hold("t11", [[3, 7, 0], [11, 4], []])
+    link.puller.submit([KVPull("r11", "t11", [link.sender.address], [], abandon=True)])
+    done = link.report(link.pulled)
+    assert done.transfer_id == "r11" and done.cancelled
+    sent = link.report(link.sent)
+    assert sent.transfer_id == "t11" and sent.cancelled
+    link.check_copied([[], [], []])
 
 
 def test_cancel_before_start_releases_remote(link):

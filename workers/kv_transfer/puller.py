@@ -1,10 +1,14 @@
-"""Decode side of a KV transfer: a thread per worker rank that pulls a request's prompt blocks
-from the matching rank of a prefill server into the blocks the scheduler allocated here, then
-releases them there and reports to the scheduler (engine/kvcache/transfer.py).
+"""Decode side of a KV transfer: per worker rank, a small pool of threads that pull requests'
+prompt blocks from the matching rank of a prefill server into the blocks the scheduler
+allocated here, then release them there and report to the scheduler
+(engine/kvcache/transfer.py).
 
-The blocks it writes belong to no running request until it reports, so the step loop may run
-forwards meanwhile. A pull gives up after `timeout` seconds without an answer (a dead prefill
-server fails the request with that reason), and stops early when the request is aborted.
+The blocks a pull writes belong to no running request until it reports, so the step loop may run
+forwards meanwhile. Pulls run concurrently, each with its own deadline: one that gets no answer
+for `timeout` seconds fails its request with that reason (a dead prefill server) without
+holding up the others; a pull stops early when its request is aborted. Every message is
+authenticated both ways with the cluster secret (wire.py). A prefill rank that has not yet heard
+of the transfer (its plan is on the way) says so, and the pull asks again until its deadline.
 
 With the NIXL backend the blocks do not come over the socket: the thread READs them itself
 (nixl_transport.py), between two checks of the transfer by the prefill rank (wire.py).
@@ -12,12 +16,14 @@ With the NIXL backend the blocks do not come over the socket: the thread READs t
 
 from __future__ import annotations
 
-import queue
+import hmac
+import itertools
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -26,7 +32,20 @@ import zmq
 
 from engine.protocol import KVPull, KVTransferDone, pack_ids, unpack_ids
 from engine.runtime.ipc import push
-from workers.kv_transfer.wire import Meta, Read, ReadReply, Release, split_address
+from workers.kv_transfer.wire import (
+    Meta,
+    Read,
+    ReadReply,
+    Release,
+    reply_mac,
+    seal_request,
+    split_address,
+)
+
+# Pulls in flight at once per rank: enough that a few dead prefill servers waiting out their
+# deadlines leave the others flowing; each holds a socket per prefill rank it talks to.
+MAX_CONCURRENT_PULLS = 8
+_RETRY_SECONDS = 0.01  # between two asks for a transfer the prefill rank does not hold yet
 
 
 class _Stop(Exception):
@@ -37,31 +56,32 @@ class _Stop(Exception):
         self.done = done
 
 
-class KVPuller(threading.Thread):
+class KVPuller:
     def __init__(self, zctx: zmq.Context, tensors: list[list[torch.Tensor]], rank: int,
-                 report_to: str, timeout: float, backend: str = "zmq") -> None:
-        super().__init__(name="deepinfer-kv-puller", daemon=True)
+                 report_to: str, timeout: float, secret: bytes, backend: str = "zmq") -> None:
         self.zctx, self.tensors, self.rank = zctx, tensors, rank
-        self.report_to, self.timeout = report_to, timeout
+        self.timeout, self.secret = timeout, secret
         self.on_gpu = any(t.is_cuda for ts in tensors for t in ts)
-        self.jobs: queue.Queue[KVPull] = queue.Queue()
+        self.pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, "deepinfer-kv-puller")
         self.lock = threading.Lock()
         self.active: set[str] = set()  # requests with a pull submitted and not yet reported
         self.cancelled: set[str] = set()
         self.encode = msgspec.msgpack.Encoder().encode
-        self.sockets: dict[str, zmq.Socket] = {}
-        self.seq = 0
-        self.nixl = None
+        self.report = push(zctx, report_to)  # shared by the pool's threads, under self.lock
+        self.local = threading.local()  # each thread's sockets, by prefill endpoint
+        self.seqs = itertools.count(1)
+        self.nixl = self.nixl_lock = None
         if backend == "nixl":
             from workers.kv_transfer.nixl_transport import NixlSink
 
             self.nixl = NixlSink(tensors, f"deepinfer-decode-{uuid.uuid4().hex[:12]}-{rank}")
+            self.nixl_lock = threading.Lock()
 
     def submit(self, pulls: list[KVPull]) -> None:
         with self.lock:
             self.active.update(p.request_id for p in pulls)
         for pull in pulls:
-            self.jobs.put(pull)
+            self.pool.submit(self._run, pull)
 
     def cancel(self, request_ids: list[str]) -> None:
         """Requests that ended: stop their pulls, if any."""
@@ -72,63 +92,61 @@ class KVPuller(threading.Thread):
         with self.lock:
             return request_id in self.cancelled
 
-    def run(self) -> None:
-        report = push(self.zctx, self.report_to)
-        while True:
-            pull = self.jobs.get()
-            t0 = time.perf_counter()
-            try:
-                done = self._pull(pull)
-            except Exception as exc:  # a bad answer must fail the request, not the thread
-                done = KVTransferDone(pull.request_id, self.rank,
-                                      error=f"{type(exc).__name__}: {exc}")
-            done.seconds = time.perf_counter() - t0
-            with self.lock:
-                self.active.discard(pull.request_id)
-                self.cancelled.discard(pull.request_id)
-            report.send(self.encode(done))
+    def _run(self, pull: KVPull) -> None:
+        t0 = time.perf_counter()
+        try:
+            done = self._pull(pull)
+        except Exception as exc:  # a bad answer must fail the request, not the thread
+            done = KVTransferDone(pull.request_id, self.rank,
+                                  error=f"{type(exc).__name__}: {exc}")
+        done.seconds = time.perf_counter() - t0
+        with self.lock:
+            self.active.discard(pull.request_id)
+            self.cancelled.discard(pull.request_id)
+            self.report.send(self.encode(done))
 
     def _socket(self, endpoint: str) -> zmq.Socket:
-        sock = self.sockets.get(endpoint)
+        sockets = self.local.__dict__.setdefault("sockets", {})
+        sock = sockets.get(endpoint)
         if sock is None:
             sock = self.zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.connect(endpoint)
-            self.sockets[endpoint] = sock
+            sockets[endpoint] = sock
         return sock
 
     def _drop_socket(self, endpoint: str) -> None:
         """After a timeout: what was queued for a dead peer must not reach a later one."""
-        self.sockets.pop(endpoint).close(0)
+        self.local.sockets.pop(endpoint).close(0)
 
     def _pull(self, pull: KVPull) -> KVTransferDone:
         rid = pull.request_id
         endpoint, nonce = split_address(pull.addresses[self.rank])
         sock = self._socket(endpoint)
         pairs = [unpack_ids(b).reshape(-1, 2) for b in pull.blocks]
-        release = lambda cancelled=False: sock.send(  # noqa: E731
-            self.encode(Release(pull.transfer_id, cancelled)), zmq.NOBLOCK)
-        if self._is_cancelled(rid):
+        release = lambda cancelled=False: sock.send_multipart(  # noqa: E731
+            seal_request(self.secret, nonce, self.encode(Release(pull.transfer_id, cancelled))),
+            zmq.NOBLOCK)
+        if pull.abandon or self._is_cancelled(rid):
             release(True)
             return KVTransferDone(rid, self.rank, cancelled=True)
         payload = self.nixl is None
         request = Read(0, nonce, pull.transfer_id, [pack_ids(p[:, 0]) for p in pairs], payload)
         try:
-            if self.nixl is not None and not self.nixl.knows(endpoint, nonce):
-                reply, _ = self._ask(sock, endpoint, rid, Meta(0, nonce), release)
-                if reply.error is not None:
-                    return KVTransferDone(rid, self.rank, error=reply.error)
-                self.nixl.add_peer(endpoint, nonce, reply.meta)
-            reply, frames = self._ask(sock, endpoint, rid, request, release)
+            if self.nixl is not None:
+                error = self._nixl_peer(sock, endpoint, nonce, rid, release)
+                if error is not None:
+                    return KVTransferDone(rid, self.rank, error=error)
+            reply, frames = self._ask(sock, endpoint, nonce, rid, request, release)
             if reply.error is not None:
                 return KVTransferDone(rid, self.rank, error=reply.error)
             if payload:
-                nbytes = self._write(pairs, frames[1:])
+                nbytes = self._write(pairs, frames)
             else:
                 nbytes = self._read_nixl(endpoint, rid, pairs, release)
                 # Released while we read (its hold timed out)? Then it may have been overwritten.
                 check = Read(0, nonce, pull.transfer_id, [], payload=False)
-                reply, _ = self._ask(sock, endpoint, rid, check, release)
+                reply, _ = self._ask(sock, endpoint, nonce, rid, check, release)
                 if reply.error is not None:
                     return KVTransferDone(rid, self.rank, error=reply.error)
         except _Stop as stop:
@@ -139,13 +157,37 @@ class KVPuller(threading.Thread):
         return KVTransferDone(rid, self.rank, blocks=len(pairs[0]) if pairs else 0,
                               bytes=nbytes)
 
-    def _ask(self, sock: zmq.Socket, endpoint: str, rid: str, msg: Read | Meta,
+    def _nixl_peer(self, sock: zmq.Socket, endpoint: str, nonce: str, rid: str,
+                   release: Callable[[bool], None]) -> str | None:
+        """Learn the prefill rank's NIXL metadata once; an error, or None."""
+        with self.nixl_lock:
+            if self.nixl.knows(endpoint, nonce):
+                return None
+        reply, _ = self._ask(sock, endpoint, nonce, rid, Meta(0, nonce), release)
+        if reply.error is not None:
+            return reply.error
+        with self.nixl_lock:
+            self.nixl.add_peer(endpoint, nonce, reply.meta)
+        return None
+
+    def _ask(self, sock: zmq.Socket, endpoint: str, nonce: str, rid: str, msg: Read | Meta,
              release: Callable[[bool], None]) -> tuple[ReadReply, list]:
-        """Send a request to the prefill rank and wait for its answer (reply, frames)."""
-        self.seq += 1
-        msg.seq = self.seq
-        sock.send(self.encode(msg), zmq.NOBLOCK)
+        """Send a request to the prefill rank and wait for its authenticated answer (reply,
+        block frames); ask again while the rank does not hold the transfer yet."""
         deadline = time.monotonic() + self.timeout
+        while True:
+            msg.seq = next(self.seqs)
+            sealed = seal_request(self.secret, nonce, self.encode(msg))
+            sock.send_multipart(sealed, zmq.NOBLOCK)
+            reply, frames = self._answer(sock, endpoint, nonce, rid, msg.seq, sealed[1],
+                                         deadline, release)
+            if not reply.retry or time.monotonic() + _RETRY_SECONDS > deadline:
+                return reply, frames  # a transfer still not held fails with that reason
+            time.sleep(_RETRY_SECONDS)
+
+    def _answer(self, sock: zmq.Socket, endpoint: str, nonce: str, rid: str, seq: int,
+                request_mac: bytes, deadline: float, release: Callable[[bool], None]
+                ) -> tuple[ReadReply, list]:
         while True:
             if self._is_cancelled(rid):
                 release(True)
@@ -158,14 +200,20 @@ class KVPuller(threading.Thread):
             if not sock.poll(50):
                 continue
             frames = sock.recv_multipart(copy=False)
-            reply = msgspec.msgpack.decode(frames[0].bytes, type=ReadReply)
-            if reply.seq == self.seq:
-                return reply, frames  # older replies belong to abandoned requests
+            header = frames[0].bytes
+            reply = msgspec.msgpack.decode(header, type=ReadReply)
+            good = len(frames) >= 2 and hmac.compare_digest(
+                frames[1].bytes, reply_mac(self.secret, nonce, request_mac, header))
+            if good and reply.seq == seq:
+                return reply, frames[2:]  # older replies belong to abandoned requests
+            if not good and reply.seq == -1:
+                raise _Stop(KVTransferDone(rid, self.rank, error=reply.error))
 
     def _read_nixl(self, endpoint: str, rid: str, pairs: list[np.ndarray],
                    release: Callable[[bool], None]) -> int:
         """READ the blocks with NIXL; returns the bytes read."""
-        read = self.nixl.read(endpoint, pairs)
+        with self.nixl_lock:
+            read = self.nixl.read(endpoint, pairs)
         if read is None:
             return 0
         deadline = time.monotonic() + self.timeout

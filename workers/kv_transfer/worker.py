@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import zmq
 
+from engine import envs
 from engine.config import EngineConfig
 from engine.protocol import StepPlan
 from workers.kv_transfer.puller import KVPuller
@@ -19,14 +20,14 @@ class KVTransferWorker:
                  zctx: zmq.Context, rank: int, report_to: str) -> None:
         tensors = group_tensors(config.kv_cache_spec(), kv_caches)
         self.sender = self.puller = None
+        secret = envs.cluster_secret()  # required with a disaggregation mode (engine/config.py)
         if config.disaggregation_mode == "prefill":
             self.sender = KVSender(zctx, tensors, config.kv_transfer_host, rank, report_to,
-                                   config.kv_transfer_backend)
+                                   secret, config.kv_transfer_backend)
             self.sender.start()
         elif config.disaggregation_mode == "decode":
             self.puller = KVPuller(zctx, tensors, rank, report_to, config.kv_transfer_timeout,
-                                   config.kv_transfer_backend)
-            self.puller.start()
+                                   secret, config.kv_transfer_backend)
 
     @property
     def address(self) -> str | None:
@@ -34,8 +35,11 @@ class KVTransferWorker:
         return self.sender.address if self.sender is not None else None
 
     def before_forward(self, plan: StepPlan) -> None:
-        if self.sender is not None and plan.kv_released:
-            self.sender.release(plan.kv_released)
+        if self.sender is not None:
+            if plan.kv_held:
+                self.sender.hold(plan.kv_held)
+            if plan.kv_released:
+                self.sender.release(plan.kv_released)
         if self.puller is not None:
             if plan.finished:
                 self.puller.cancel(plan.finished)

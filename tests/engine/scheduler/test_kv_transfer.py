@@ -84,11 +84,26 @@ def test_held_blocks_are_freed_after_the_hold_timeout_or_a_client_abort():
     clock.now = 3.0
     prefill(s, "b", [99] + PROMPT[1:])
     clock.now = 5.5  # "a" timed out, "b" not yet
-    assert s.schedule() is None
+    step = s.schedule()  # nothing to compute: the ranks learn of "b" and forget "a"
+    assert not step.plan.seqs and [h.transfer_id for h in step.plan.kv_held] == ["b"]
+    assert step.plan.kv_released == [first.transfer_id]
     assert list(s.transfer.held) == ["b"] and s.transfer.expired == 1
     s.abort(["b"])  # its client went away: nothing will pull it
     assert free(s) == 32 and not s.transfer.held
-    assert s.transfer.take_plan()[2] == [first.transfer_id, "b"]
+    assert s.transfer.take_plan()[2] == ["b"]
+
+
+def test_the_ranks_learn_which_blocks_a_transfer_holds_in_the_next_plan():
+    """A transfer socket serves only blocks of transfers held now: the plan after the hold
+    names them (the first plan even with nothing to compute)."""
+    s = make()
+    held = prefill(s)
+    assert s.transfer.has_plan()
+    step = s.schedule()
+    assert step is not None and not step.plan.seqs
+    (hold,) = step.plan.kv_held
+    assert hold.transfer_id == held.transfer_id
+    assert [unpack_ids(b).tolist() for b in hold.blocks] == held.block_ids
 
 
 def test_a_stop_by_eos_or_a_longer_request_holds_nothing():
@@ -107,7 +122,7 @@ def remote(held: KVTransferParams) -> KVTransferParams:
                             addresses=["tcp://x:1#n"], block_ids=held.block_ids,
                             num_tokens=held.num_tokens, block_size=held.block_size,
                             first_token=held.first_token, first_logprobs=held.first_logprobs,
-                            kv_dtype=held.kv_dtype)
+                            kv_dtype=held.kv_dtype, prompt_digest=held.prompt_digest)
 
 
 def decode_request(s: Scheduler, held: KVTransferParams, rid: str = "d", max_tokens: int = 4):
@@ -193,6 +208,47 @@ def test_an_abort_during_the_pull_frees_blocks_once_the_ranks_stop_writing():
     assert step is not None and step.plan.finished == ["d"]
     assert d.kv_transfer_done(KVTransferDone("d", rank=0, cancelled=True)) is None
     assert free(d) == 32 and not d.transfer.receiving
+
+
+def test_kv_computed_for_another_prompt_is_refused():
+    """The blocks a decode server pulls enter its prefix cache under its request's prompt:
+    parameters made for another prompt of the same length (the prefix-cache poisoning a
+    review found) are refused before anything is pulled."""
+    p, d = make(), make()
+    held = prefill(p, prompt=[99] + PROMPT[1:])
+    refused = decode_request(d, held)
+    assert refused.finish_reason == FinishReason.ERROR and "another prompt" in refused.error
+    assert not d.transfer.receiving and d.kv.cache.num_cached_blocks == 0
+
+
+def test_a_first_token_outside_the_vocabulary_is_refused():
+    p = make()
+    d = Scheduler(SchedulerConfig(32, BS, 8, 64, 64, 1024, (2,), vocab_size=100))
+    held = prefill(p)
+    bad = remote(held)
+    bad.first_token = 100
+    refused = d.add(TokenizedRequest("d", pack_ids(PROMPT), SamplingParams(remote_prefill=bad)))
+    assert refused.finish_reason == FinishReason.ERROR and "vocabulary" in refused.error
+
+
+def test_an_abort_before_admission_releases_the_prefill_servers_hold():
+    """A decode request still waiting for room when its client leaves tells the prefill
+    server at once (an abandoning pull) instead of leaving its blocks held until the hold
+    timeout."""
+    p, d = make(), make(blocks=8)
+    held = prefill(p)
+    d.add(TokenizedRequest("big", pack_ids(list(range(100, 100 + 5 * BS))),
+                           SamplingParams(max_tokens=8)))
+    run(d)  # "big" holds 6 of the 8 blocks
+    decode_request(d, held)
+    step, _ = run(d)  # no room for the decode's 5 blocks: it waits
+    assert d.requests["d"].status == Status.WAITING and not step.plan.kv_pulls
+    d.abort(["d"])
+    step = d.schedule()
+    (pull,) = step.plan.kv_pulls
+    assert (pull.request_id, pull.transfer_id, pull.abandon, pull.blocks) == \
+        ("d", held.transfer_id, True, [])
+    assert d.transfer.receiving == {}  # nothing of ours is being written
 
 
 def test_a_mismatched_or_incomplete_transfer_is_refused_up_front():
