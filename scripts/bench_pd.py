@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import secrets
 import shlex
 import subprocess
 import sys
@@ -158,6 +160,8 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
             proc, url = start_server(serve_args(args, args.worker_threads))
             procs.callback(stop_server, proc)
         else:
+            # The servers and their router authenticate each other with it (README "Security").
+            os.environ.setdefault("DEEPINFER_CLUSTER_SECRET", secrets.token_hex(32))
             servers = {}
             for role in ("prefill", "decode"):
                 proc, servers[role] = start_server(
