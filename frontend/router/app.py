@@ -6,6 +6,8 @@ and its response passes through unchanged, streamed or not. A replica that canno
 that answers 5xx before the client has received a byte, is skipped and the request retried on
 another one; a stream that breaks after its first bytes ends with an error event. A background
 task polls every replica's /health; failing ones leave the rotation until they answer again.
+A client that goes away, streaming or not, drops the request's connection to its replica, which
+then aborts the request (the server's own behaviour when its client leaves).
 /metrics shows placement and load per replica. The prefill/decode router (pd.py) is this one with
 two pools: it shares the health loop, `place` (choose, forward, retry) and the streaming relay.
 """
@@ -16,7 +18,7 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
@@ -24,9 +26,11 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from frontend.auth import UNAUTHORIZED, authorized
 from frontend.router.policy import Policy, Replica
+from frontend.server.http_io import run_until_disconnect
 
 log = logging.getLogger("deepinfer.router")
 # Hop-by-hop and length headers are the router's own business, not the replica's.
@@ -57,6 +61,23 @@ def forward_headers(request: Request) -> dict[str, str]:
     """The client's headers a replica gets: the body's type, the API key, what it accepts."""
     return {k: v for k, v in request.headers.items()
             if k.lower() in ("content-type", "authorization", "accept")}
+
+
+class Relay(StreamingResponse):
+    """A replica's stream on its way to the client. `finish` runs however the stream ends (its
+    last byte sent, the replica failing, the client gone, even before its first byte)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], status: int, headers: dict[str, str],
+                 finish: Callable[[], None]) -> None:
+        super().__init__(chunks, status, headers)
+        self.finish = finish
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            # Under ASGI 2.3 (uvicorn's) this listens for the client's disconnect and stops.
+            await super().__call__(scope, receive, send)
+        finally:
+            self.finish()
 
 
 def error(status: int, message: str) -> JSONResponse:
@@ -111,9 +132,18 @@ class Router:
 
     # ------------------------------------------------------------------ proxy
 
-    async def proxy(self, request: Request) -> Response:
+    async def endpoint(self, request: Request) -> Response:
+        """The completion and chat routes: `proxy`, dropped as soon as the client goes away.
+        The connection to the replica closes with it, so the replica aborts the request, as it
+        does when its own client leaves (a stream ends the same way: see Relay)."""
         if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
-            return JSONResponse(UNAUTHORIZED, status_code=401)
+            return JSONResponse(UNAUTHORIZED, status_code=401)  # before reading any body
+        await request.body()  # read first: from then on, receive() only reports a disconnect
+        response = await run_until_disconnect(request, self.proxy(request))
+        return Response(status_code=499) if response is None else response  # nobody reads it
+
+    async def proxy(self, request: Request) -> Response:
+        """Place an authorized request (`endpoint` checked its key) and return the answer."""
         body = await request.body()
         payload = json_or_none(body)
         path = request.url.path
@@ -148,7 +178,9 @@ class Router:
 
     async def _forward(self, replica: Replica, path: str, body: bytes, headers: dict,
                        stream: bool) -> Response | None:
-        """The replica's response, or None when it failed before the client got anything."""
+        """The replica's response, or None when it failed before the client got anything.
+        Cancelled (its client went away: see `endpoint`), it closes the connection to the
+        replica, which is how the replica learns to abort the request."""
         replica.in_flight += 1
         self.in_flight.labels(replica.url).set(replica.in_flight)
         resp = None
@@ -171,7 +203,13 @@ class Router:
             if resp is not None:
                 resp.release()
             return self._done(replica)
-        return StreamingResponse(self._relay(replica, resp, first), resp.status, out_headers)
+        except asyncio.CancelledError:
+            if resp is not None:
+                resp.close()
+            self._done(replica)
+            raise
+        return Relay(self._relay(replica, resp, first), resp.status, out_headers,
+                     finish=lambda: self._end_relay(replica, resp))
 
     async def _relay(self, replica: Replica, resp: aiohttp.ClientResponse, first: bytes
                      ) -> AsyncIterator[bytes]:
@@ -185,9 +223,13 @@ class Router:
             event = {"error": {"message": f"the replica serving this stream failed: {exc}",
                                "type": "router_error", "code": 502}}
             yield f"data: {json.dumps(event)}\n\n".encode()
-        finally:
-            resp.release()
-            self._done(replica)
+
+    def _end_relay(self, replica: Replica, resp: aiohttp.ClientResponse) -> None:
+        if resp.content.at_eof():
+            resp.release()  # read to its end: the connection can serve another request
+        else:
+            resp.close()  # the client left mid-stream: the replica aborts on the close
+        self._done(replica)
 
     def _done(self, replica: Replica) -> None:
         replica.in_flight -= 1
@@ -233,8 +275,8 @@ def build_router_app(router: Router) -> Starlette:
             await router.session.close()
 
     routes = [
-        Route("/v1/completions", router.proxy, methods=["POST"]),
-        Route("/v1/chat/completions", router.proxy, methods=["POST"]),
+        Route("/v1/completions", router.endpoint, methods=["POST"]),
+        Route("/v1/chat/completions", router.endpoint, methods=["POST"]),
         Route("/v1/models", router.models, methods=["GET"]),
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics, methods=["GET"]),

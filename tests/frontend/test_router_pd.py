@@ -4,6 +4,7 @@ no model, no engine."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import socket
@@ -38,11 +39,13 @@ EVENTS = [f'data: {{"choices": [{{"index": 0, "text": "{t}"}}]}}' for t in "ABC"
 class Upstream:
     """A stand-in for one prefill or decode server: records each body (as bytes) and the
     Authorization header it is sent. A prefill server answers a prompt containing "bad" with a
-    400 and one containing "eos" without kv_transfer_params (it ended on its first token);
-    `fail_with` makes every completion answer that status."""
+    400 and one containing "eos" without kv_transfer_params (it ended on its first token); a
+    decode server holds one containing "hold" until its client (the router) leaves, and records
+    whether it did (`left`); `fail_with` makes every completion answer that status."""
 
     def __init__(self, role: str) -> None:
         self.role, self.bodies, self.auth, self.proofs = role, [], [], []
+        self.left: list[bool] = []
         self.fail_with: int | None = None
 
     def sent(self) -> list[dict]:
@@ -63,6 +66,8 @@ class Upstream:
             body = None
         if not isinstance(body, dict):
             return JSONResponse(BAD_REQUEST, 400)
+        if self.role == "decode" and "hold" in json.dumps(body.get("prompt")):
+            self.left.append(await client_left(request, within=10))
         return self.prefill(body) if self.role == "prefill" else self.decode(body)
 
     def prefill(self, body: dict) -> Response:
@@ -93,6 +98,19 @@ class Upstream:
         return Starlette(routes=[Route("/v1/completions", self.complete, methods=["POST"]),
                                  Route("/v1/chat/completions", self.complete, methods=["POST"]),
                                  Route("/health", health)])
+
+
+async def client_left(request: Request, within: float) -> bool:
+    """Whether the client of `request` (its body read) disconnects within `within` seconds."""
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        await asyncio.wait_for(disconnect(), within)
+    except asyncio.TimeoutError:
+        return False
+    return True
 
 
 class Served:
@@ -139,6 +157,7 @@ def stubs(upstreams):
         stub.bodies.clear()
         stub.auth.clear()
         stub.proofs.clear()
+        stub.left.clear()
     return stubs
 
 
@@ -327,3 +346,29 @@ def test_without_a_prefill_server_decode_servers_compute_the_prompt(stubs, upstr
         assert pd_count(router.url, "fallback") == 1
     finally:
         router.stop()
+
+
+def test_a_client_that_goes_away_drops_its_request_on_the_decode_server(stubs, router,
+                                                                        upstreams):
+    """As with one pool (tests/e2e/test_router_disconnect.py): the router closes its request to
+    the decode server, which then aborts it; nothing is left in flight."""
+    _, urls = upstreams
+    body = json.dumps({"model": "m", "prompt": "hold until the client leaves",
+                       "max_tokens": 16}).encode()
+    head = ["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}",
+            "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    port = int(router.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        deadline = time.monotonic() + 30
+        while not stubs["decode"].bodies:  # prefilled, now held by the decode server
+            assert time.monotonic() < deadline, "the request never reached the decode server"
+            time.sleep(0.01)
+        sock.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 30
+    while not stubs["decode"].left:
+        assert time.monotonic() < deadline, "the decode server is still holding the request"
+        time.sleep(0.01)
+    assert stubs["decode"].left == [True]
+    labels = f'{{replica="{urls["decode"]}"}}'
+    assert metric(router, "deepinfer_router_in_flight", labels) == 0.0

@@ -1,0 +1,143 @@
+"""`deepinfer router` in front of a real `deepinfer serve`: a client that goes away, streaming
+or not, must abort its request on the replica, as it does when it talks to the server directly.
+
+A raw socket is the client (a client library's habits would blur the test: the connection must
+really close); the replica's own /metrics say whether the request was aborted or ran to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.frontend.server_process import REPO, ServerProcess, free_port, wait_healthy
+
+# The client leaves once the replica has decoded LEAVE_AFTER tokens: a streaming client that
+# never read them has by then filled every buffer on the way, so the router sits in a send to
+# it. MAX_TOKENS is seconds of decoding more, far more than the abort lets through.
+LEAVE_AFTER, MAX_TOKENS = 1000, 6000
+
+
+class RouterProcess:
+    """`deepinfer router --worker URL` as a real subprocess, in its own session."""
+
+    def __init__(self, *workers: str, timeout: float = 60.0) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-router-", suffix=".log")
+        cmd = [sys.executable, "-m", "frontend.cli", "router", "--port", str(self.port),
+               *(arg for url in workers for arg in ("--worker", url))]
+        env = dict(os.environ, PYTHONPATH=str(REPO))
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env=env, start_new_session=True)
+        if not wait_healthy(self.base_url, self.proc, timeout):
+            self.stop()
+            raise RuntimeError(f"router not healthy:\n{self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        return Path(self.log.name).read_text()[-6000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(5)
+
+
+@pytest.fixture(scope="module")
+def replica(tmp_path_factory):
+    from tests.conftest import save_tiny_model
+
+    model = save_tiny_model(tmp_path_factory.mktemp("router-disconnect"),
+                            max_position_embeddings=MAX_TOKENS + 64)
+    # No limit on a slow reader within MAX_TOKENS: only the disconnect may end the request.
+    server = ServerProcess(model, "--num-kv-blocks", str(MAX_TOKENS // 16 + 16),
+                           "--max-model-len", str(MAX_TOKENS + 64),
+                           "--max-buffered-outputs", str(MAX_TOKENS + 64),
+                           "--served-model-name", "tiny")
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def router(replica):
+    proc = RouterProcess(replica.base_url)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+def scrape(http: httpx.Client) -> dict[str, float]:
+    """Every unlabelled metric of one /metrics scrape."""
+    text = http.get("/metrics").text
+    return {line.split(" ")[0]: float(line.split(" ")[1]) for line in text.splitlines()
+            if line and not line.startswith("#") and "{" not in line}
+
+
+def raw_post(port: int, path: str, body: bytes) -> socket.socket:
+    """A socket that has sent one complete HTTP/1.1 POST, and will not read the answer."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # so that it fills soon
+    sock.settimeout(60)
+    sock.connect(("127.0.0.1", port))
+    head = [f"POST {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+            f"Content-Length: {len(body)}"]
+    sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    return sock
+
+
+def wait_for(http: httpx.Client, ready, what: str) -> dict[str, float]:
+    """Scrape (on one connection) until `ready(metrics)`; the deadline only guards a hang."""
+    deadline = time.monotonic() + 300
+    while not ready(m := scrape(http)):
+        assert time.monotonic() < deadline, f"{what}: {m}"
+        time.sleep(0.01)
+    return m
+
+
+def router_in_flight(router: RouterProcess) -> float:
+    text = httpx.get(f"{router.base_url}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("deepinfer_router_in_flight{"))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["non_streaming", "streaming"])
+def test_a_client_that_goes_away_aborts_its_request_on_the_replica(replica, router, stream):
+    body = json.dumps({"model": "tiny", "prompt": "Count forever", "max_tokens": MAX_TOKENS,
+                       "ignore_eos": True, "stream": stream}).encode()
+    with httpx.Client(base_url=replica.base_url, timeout=10) as http:
+        before = scrape(http)
+        sock = raw_post(router.port, "/v1/completions", body)
+        try:
+            wait_for(http, lambda m: m["deepinfer_engine_steps_total"]
+                     >= before["deepinfer_engine_steps_total"] + LEAVE_AFTER,
+                     "the request never got going on the replica")
+            sock.shutdown(socket.SHUT_RDWR)  # the client really goes away
+        finally:
+            sock.close()
+        after = wait_for(http, lambda m: m["deepinfer_requests_in_flight"] == 0
+                         and m["deepinfer_num_requests_running"] == 0,
+                         "the replica never finished the request")
+    generated, slow = "deepinfer_generation_tokens_total", "deepinfer_slow_reader_aborts_total"
+    # Aborted soon after the client left, not run to its MAX_TOKENS; by the disconnect, not by
+    # the replica's own limit on a slow reader.
+    assert after[generated] - before[generated] < MAX_TOKENS / 2, router.output()
+    assert after[slow] == before[slow]
+    assert router_in_flight(router) == 0
