@@ -80,8 +80,9 @@ def test_nothing_to_pull_at_all(link):
 
 
 def test_released_transfer_is_refused(link):
+    link.hold("gone", [[r for r, _ in g] for g in PAIRS])
     link.sender.release(["gone"])
-    link.pull("gone", PAIRS)
+    link.pull("gone", PAIRS, held=False)
     assert "released" in link.report(link.pulled).error
     link.check_copied([[], [], []])
 
@@ -117,7 +118,8 @@ def test_zmq_puller_reads_from_nixl_sender():
     """A NIXL prefill server still answers ZeroMQ reads (it has the blocks either way)."""
     link = Link(backend="nixl")
     plain = Link(backend="zmq", src=link.src)
-    plain.pull("t7", PAIRS, address=link.sender.address)
+    link.hold("t7", [[r for r, _ in g] for g in PAIRS])
+    plain.pull("t7", PAIRS, address=link.sender.address, held=False)
     assert plain.report(plain.pulled).error is None
     plain.check_copied(PAIRS)
 
