@@ -179,6 +179,31 @@ def test_json_object_regex_choice_and_ebnf(client):
         assert finish == "stop" and ok, (prompt, text, finish)
 
 
+def test_json_object_is_an_object_even_where_an_array_comes_naturally(client):
+    """OpenAI's JSON mode means an object: xgrammar's builtin JSON grammar, which json_object
+    had compiled to, let the model continue this prompt with [6, 7, 8, 9, 10]."""
+    prompt = ("The numbers 1 to 5 as a JSON array: [1, 2, 3, 4, 5]\n"
+              "The numbers 6 to 10 as a JSON array: ")
+
+    async def one(stream: bool) -> tuple[str, str]:
+        kw = dict(model=MODEL, prompt=prompt, temperature=0.0, max_tokens=60,
+                  extra_body={"response_format": {"type": "json_object"}})
+        if not stream:
+            r = await client.completions.create(**kw)
+            return r.choices[0].text, r.choices[0].finish_reason
+        text, finish = [], None
+        async for chunk in await client.completions.create(**kw, stream=True):
+            text += [c.text for c in chunk.choices]
+            finish = next((c.finish_reason for c in chunk.choices if c.finish_reason), finish)
+        return "".join(text), finish
+
+    async def both():
+        return await asyncio.gather(one(False), one(True))
+
+    for text, finish in client.run(both()):
+        assert finish == "stop" and isinstance(json.loads(text), dict), text
+
+
 def test_n_choices_each_follow_the_schema(client):
     what, schema = SCHEMAS[0]
 

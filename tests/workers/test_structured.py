@@ -8,6 +8,7 @@ import time
 
 import pytest
 import torch
+from tokenizers import Tokenizer
 
 pytest.importorskip("xgrammar")
 import xgrammar as xgr  # noqa: E402
@@ -25,6 +26,7 @@ from workers.structured.masks import (  # noqa: E402
 )
 from workers.structured.xgrammar_backend import GrammarError, XGrammarBackend  # noqa: E402
 
+SMOL_EOS = 2  # the default model's <|im_end|>
 VOCAB = ["a", "b", "c", "d", "e", "{", "}", "</s>"]
 EOS = 7
 V = len(VOCAB)
@@ -67,6 +69,37 @@ def test_bad_grammars_are_refused_with_a_clean_message(backend, spec, message):
         backend.compile(spec)
     assert str(err.value).startswith(message)
     assert ".cc:" not in str(err.value)  # no C++ source locations for users
+
+
+@pytest.fixture(scope="module")
+def smol(default_model) -> tuple[XGrammarBackend, Tokenizer]:
+    """The backend over the default model's real vocabulary, and its tokenizer."""
+    return (XGrammarBackend.for_model(str(default_model), 49152, [SMOL_EOS]),
+            Tokenizer.from_file(str(default_model / "tokenizer.json")))
+
+
+def test_json_object_means_an_object_at_the_top_level(smol):
+    """OpenAI's JSON mode: the default model had answered [1, 2, 3, 4, 5] under it."""
+    backend, tok = smol
+    compiled = backend.compile(GrammarSpec("json_object"))
+
+    def accepts(text: str) -> bool:  # the whole text, then the end
+        m = backend.matcher(compiled)
+        return m.accept_string(text) and m.accept_token(SMOL_EOS) and m.is_terminated()
+
+    m = backend.matcher(compiled)
+    bitmask = backend.allocate(1)
+    m.fill_next_token_bitmask(bitmask, 0)
+    logits = torch.zeros(1, backend.vocab_size)
+    backend.apply(logits, bitmask, [0])
+    first = [tok.decode([i]) for i in torch.nonzero(logits[0] > float("-inf")).flatten().tolist()]
+    assert first and all(text.startswith("{") for text in first), first
+    for text in ("[1, 2, 3, 4, 5]", "[]", '"text"', "42", "null"):
+        assert not accepts(text), text
+    for text in ("{}", '{"numbers": [1, 2, 3], "nested": {"ok": true, "none": null}}'):
+        assert accepts(text), text
+    # Compact, as the json_schema path: small models otherwise pad with endless newlines.
+    assert not accepts('{\n  "a": 1\n}')
 
 
 def test_allowed_drafts_cut_at_the_first_refused(backend):

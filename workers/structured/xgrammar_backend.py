@@ -49,12 +49,15 @@ class XGrammarBackend:
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """Raises GrammarError naming the problem."""
         try:
+            # Compact JSON (no free whitespace): small models otherwise tend to pad with
+            # endless newlines inside objects.
             if spec.kind == "json_schema":
-                # Compact JSON (no free whitespace): small models otherwise tend to pad
-                # with endless newlines inside objects.
                 return self.compiler.compile_json_schema(spec.spec, any_whitespace=False)
             if spec.kind == "json_object":
-                return self.compiler.compile_builtin_json_grammar()
+                # OpenAI's JSON mode is an object, any object (xgrammar's builtin JSON grammar
+                # also takes a top-level array).
+                return self.compiler.compile_json_schema(
+                    _ANY_OBJECT, any_whitespace=False, strict_mode=False)
             if spec.kind == "regex":
                 return self.compiler.compile_regex(spec.spec)
             if spec.kind == "ebnf":
@@ -77,5 +80,6 @@ class XGrammarBackend:
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows)
 
 
+_ANY_OBJECT = '{"type": "object"}'
 _NAMES = {"json_schema": "JSON schema", "json_object": "JSON object grammar",
           "regex": "regex", "ebnf": "EBNF grammar"}
