@@ -50,17 +50,18 @@ def test_penalties_count_earlier_drafts_as_output():
     assert tokens == [4, 2]  # row 1 sees draft 0 (token 4) as output: penalized below token 2
 
 
-def run(p_rows: torch.Tensor, drafts_fn, n: int, seed: int = 0, batch: int = 1000
-        ) -> list[list[int]]:
+def run(p_rows: torch.Tensor, drafts_fn, n: int, seed: int = 0, batch: int = 1000,
+        seeded: bool = False) -> list[list[int]]:
     """n verifications of drafts from drafts_fn against the fixed target rows, `batch` requests
-    to a call (each its own rows, as in a real step)."""
+    to a call (each its own rows, as in a real step); `seeded`: request i has seed i."""
     sampler = Sampler(seed)
     gen = torch.Generator().manual_seed(seed + 1)
     rows = p_rows.shape[0]
     logits = p_rows.log().repeat(batch, 1)
     out = []
-    for _ in range(n // batch):
-        seqs = [Verification(state(), *drafts_fn(gen), i * rows) for i in range(batch)]
+    for b in range(n // batch):
+        seqs = [Verification(state(b * batch + i if seeded else None), *drafts_fn(gen),
+                             i * rows) for i in range(batch)]
         out += [tokens for tokens, _ in verify(sampler, logits, seqs)]
     return out
 
@@ -78,14 +79,20 @@ P = torch.tensor([[0.30, 0.05, 0.20, 0.0, 0.15, 0.10, 0.12, 0.08],
                   [0.125] * 8])
 
 
-def test_deterministic_drafts_keep_the_target_distribution():
-    """An n-gram draft (no distribution): accepted with probability p(x), else the residual."""
-    runs = run(P[:2], lambda gen: ([0], None), 10000)
+@pytest.mark.parametrize("seeded", [False, True])
+def test_deterministic_drafts_keep_the_target_distribution(seeded):
+    """An n-gram draft (no distribution): accepted with probability p(x) (Leviathan's
+    rejection sampling, and the coupled verification of seeded requests alike), else the
+    residual."""
+    runs = run(P[:2], lambda gen: ([0], None), 10000, seeded=seeded)
     assert chi_square_p(counts_at(runs, 0), P[0]) > ALPHA
     assert chi_square_p(counts_at(runs, 1), P[1]) > ALPHA  # the bonus after an acceptance
+    accepted = sum(len(t) == 2 for t in runs) / len(runs)
+    assert abs(accepted - float(P[0, 0])) < 4.5 * (0.3 * 0.7 / len(runs)) ** 0.5
 
 
-def test_sampled_drafts_keep_the_target_distribution():
+@pytest.mark.parametrize("seeded", [False, True])
+def test_sampled_drafts_keep_the_target_distribution(seeded):
     q = torch.tensor([[0.05, 0.30, 0.05, 0.20, 0.10, 0.10, 0.10, 0.10],
                       [0.30, 0.10, 0.10, 0.10, 0.10, 0.10, 0.10, 0.10]])
 
@@ -93,11 +100,13 @@ def test_sampled_drafts_keep_the_target_distribution():
         tokens = [int(torch.multinomial(q[j], 1, generator=gen)) for j in range(2)]
         return tokens, q
 
-    runs = run(P, draft, 12000, seed=3)
+    runs = run(P, draft, 12000, seed=3, seeded=seeded)
     for position in range(3):
         assert chi_square_p(counts_at(runs, position), P[position]) > ALPHA, position
     accepted = sum(len(t) - 1 for t in runs) / len(runs)
-    assert 0.2 < accepted < 1.8  # some drafts accepted, some rejected
+    # Some drafts accepted, some rejected (seeded: a draft drawn apart from the target's
+    # uniform is accepted with probability sum(p * q) only).
+    assert (0.05 if seeded else 0.2) < accepted < 1.8
 
 
 def test_a_wrong_verifier_would_be_caught():
@@ -142,3 +151,67 @@ def test_a_tiny_temperature_verifies_as_greedy():
         s = state(seed=seed, temperature=1e-40)
         (tokens, _), = verify(Sampler(0), logits, [Verification(s, [3, 4], None, 0)])
         assert tokens == [3, 5]
+
+
+def plain_draws(logits: torch.Tensor, seed: int, known: int, **params) -> list[int]:
+    """What plain sampling (the batched sampler, one step per token) draws for a request seeded
+    `seed` that has `known` output tokens, row j of `logits` giving output token known + j."""
+    s = state(seed=seed, **params)
+    s.output_ids = [0] * known
+    out = []
+    for j in range(logits.shape[0]):
+        others = torch.randn(2, V, generator=torch.Generator().manual_seed(j))
+        batch = torch.cat([others[:1], logits[j: j + 1], others[1:]])
+        token = int(Sampler(j)(batch, [state(), s, state(seed=j)])[0][1])
+        out.append(token)
+        s.output_ids.append(token)
+    return out
+
+
+def test_seeded_verification_emits_what_plain_sampling_draws():
+    """Coupled verification of a seeded request: the target's token at output k is drawn with
+    u(seed, k) as plain sampling draws it, drafts are kept while they equal it. Any drafts
+    (random, partly right, sampled with a distribution or not), any number of them, any batch:
+    the text is that of plain sampling."""
+    gen = torch.Generator().manual_seed(8)
+    for trial in range(300):
+        d = trial % 6
+        logits = 2 * torch.randn(d + 1, V, generator=gen)
+        seed, known = trial * 7919 - 1000, trial % 4
+        params = dict(temperature=0.8, top_k=6) if trial % 3 else dict(temperature=1.2)
+        ref = plain_draws(logits, seed, known, **params)
+        right = int(torch.randint(0, d + 1, (1,), generator=gen))
+        drafts = ref[:right] + torch.randint(0, V, (d - right,), generator=gen).tolist()
+        q = torch.rand(d, V, generator=gen).softmax(-1) if trial % 2 else None
+        s = state(seed=seed, **params)
+        s.output_ids = [0] * known
+        other = 2 * torch.randn(3, V, generator=gen)
+        seqs = [Verification(state(), [1, 2], None, 0), Verification(s, drafts, q, 3)]
+        (_, (tokens, _)) = verify(Sampler(trial), torch.cat([other, logits]), seqs)
+        kept = next((j for j, x in enumerate(drafts) if x != ref[j]), d)
+        assert tokens == ref[: kept + 1], trial
+
+
+def test_seeded_drafts_share_the_targets_uniforms():
+    """A seeded request's draft model draws draft k with u(seed, k) too (common random
+    numbers): a draft distribution equal to the target's is always accepted; a different one
+    is accepted exactly where both inverse CDFs agree (an exact overlap of their intervals:
+    0.13 here, where rejection sampling would accept sum(min(p, q)) = 0.75), and what is
+    emitted still follows the target."""
+    from workers.spec_decode.base import Draft, DraftRequest, extend_drafts, finish_drafts
+
+    q = torch.tensor([0.05, 0.05, 0.20, 0.0, 0.15, 0.10, 0.12, 0.33])
+    p_cdf, q_cdf = P[0].cumsum(0), q.cumsum(0)
+    lo = torch.maximum(p_cdf - P[0], q_cdf - q)
+    overlap = float((torch.minimum(p_cdf, q_cdf) - lo).clamp(min=0).sum())
+    sampler, n = Sampler(0), 6000
+    for draft_logits, expected in ((P[0].log(), 1.0), (q.log(), overlap)):
+        requests = [DraftRequest(str(seed), state(seed=seed), 3, 1) for seed in range(n)]
+        drafts = [Draft([], []) for _ in requests]
+        extend_drafts(sampler, requests, drafts, draft_logits.repeat(n, 1))
+        seqs = [Verification(r.state, d.tokens, d.probs, 2 * i)
+                for i, (r, d) in enumerate(zip(requests, finish_drafts(drafts)))]
+        runs = [tokens for tokens, _ in verify(sampler, P[:2].log().repeat(n, 1), seqs)]
+        rate = sum(len(t) == 2 for t in runs) / n
+        assert abs(rate - expected) < 4.5 * (max(expected * (1 - expected), 1e-9) / n) ** 0.5
+        assert chi_square_p(counts_at(runs, 0), P[0]) > ALPHA

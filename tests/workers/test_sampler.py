@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.protocol import SamplingParams
-from workers.sample.sampler import Sampler, SamplingState, apply_penalties
+from workers.sample.sampler import Sampler, SamplingState, apply_penalties, seeded_uniform
 
 
 def state(prompt=(1, 2), output=(), **params) -> SamplingState:
@@ -73,6 +73,7 @@ def test_seeded_requests_do_not_depend_on_the_batch():
             else:
                 tok = sampler(row, [s])[0][0]
             out.append(int(tok))
+            s.output_ids.append(int(tok))
         return out
 
     alone, shared = draws(False), draws(True)
@@ -96,3 +97,38 @@ def test_a_tiny_temperature_is_greedy():
     states = [state(temperature=1e-40), state(temperature=1e-6, seed=3), state(temperature=0.0)]
     tokens, _ = Sampler(0)(logits, states)
     assert tokens.tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_seeded_draw_depends_on_its_seed_and_output_index_only():
+    """Prefill/decode disaggregation: a decode server's request starts with the first token the
+    prefill server sampled; its next tokens must be those one server would have sampled."""
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(5))
+    one = state(seed=-77, temperature=1.0)
+    for row in logits:
+        one.output_ids.append(int(Sampler(0)(row[None], [one])[0][0]))
+    decode = state(seed=-77, temperature=1.0, output=one.output_ids[:1])
+    for row in logits[1:]:
+        decode.output_ids.append(int(Sampler(1)(row[None], [decode])[0][0]))
+    assert decode.output_ids == one.output_ids
+    assert len(set(one.output_ids)) > 1
+
+
+def test_seeded_uniforms_are_splitmix64():
+    """u(seed, k) is SplitMix64's output k from state `seed` (the reference implementation's
+    outputs for seed 1234567), its top 53 bits; a negative seed is its two's complement."""
+    ref = [6457827717110365317, 3203168211198807973, 9817491932198370423, 4593380528125082431,
+           16408922859458223821]
+    assert [seeded_uniform(1234567, k) for k in range(5)] == [(x >> 11) / 2**53 for x in ref]
+    assert seeded_uniform(-5, 2) == seeded_uniform(2**64 - 5, 2)
+
+
+def test_a_rows_distribution_does_not_depend_on_another_rows_min_p():
+    """Only rows that ask for min-p are renormalized after it: a seeded row's probabilities,
+    and so its draw, are bit for bit the same beside a min-p request."""
+    from workers.sample.sampler import processed_probs
+
+    logits = torch.randn(2, 1000, generator=torch.Generator().manual_seed(2))
+    mine = state(seed=1, temperature=0.7)
+    alone = processed_probs(logits[:1], [mine])
+    beside = processed_probs(logits, [mine, state(min_p=0.05)])
+    assert torch.equal(beside[0], alone[0])

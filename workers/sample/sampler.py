@@ -1,9 +1,13 @@
 """Batched sampling: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
 
-Each request keeps its own torch.Generator when it has a seed, so its draws depend only on its
-seed and its own history, never on what else shares the batch. Sampling is by inverse CDF: one
-uniform number per row against the row's cumulative probabilities (a full-vocabulary noise
-tensor costs ~10x more on CPU).
+Sampling is by inverse CDF: one uniform number per row against the row's cumulative
+probabilities (a full-vocabulary noise tensor costs ~10x more on CPU). A seeded request's uniform
+for its output token k (k = 0: the first generated token) is u(seed, k), a hash of the two
+(`seeded_uniform`), not the next draw of a generator: its text then depends only on its seed,
+never on what else shares the batch, on how many draws speculative decoding made (its
+verification draws the target's token at k with the same u(seed, k), workers/sample/rejection.py)
+or on which server sampled its earlier tokens (prefill/decode disaggregation: the decode server
+goes on at k = 1). Unseeded requests draw from the engine's generator.
 """
 
 from __future__ import annotations
@@ -15,6 +19,18 @@ import torch
 
 from engine.protocol import SampledLogprobs, SamplingParams
 
+_MASK64 = (1 << 64) - 1
+
+
+def seeded_uniform(seed: int, index: int) -> float:
+    """u(seed, index) in [0, 1): SplitMix64's output number `index` from state `seed` (any
+    signed 64-bit seed), its top 53 bits as a float. Each output is a full 64-bit mix of
+    seed + (index + 1) * golden gamma, so nearby seeds and indices give unrelated numbers."""
+    z = (seed + (index + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) * 2.0 ** -53
+
 
 @dataclass
 class SamplingState:
@@ -23,17 +39,12 @@ class SamplingState:
     params: SamplingParams
     prompt_ids: torch.Tensor
     output_ids: list[int] = field(default_factory=list)
-    generator: torch.Generator | None = None
     # Structured output: the request's grammar matcher (workers/structured), None when free.
     grammar: object | None = None
 
     @classmethod
     def create(cls, params: SamplingParams, prompt_ids: torch.Tensor) -> SamplingState:
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator()
-            gen.manual_seed(params.seed)
-        return cls(params, prompt_ids, [], gen)
+        return cls(params, prompt_ids, [])
 
     @property
     def needs_penalties(self) -> bool:
@@ -59,34 +70,43 @@ class Sampler:
             tokens = self._sample(logits, states, greedy)
         return tokens, logprob_entries(raw, tokens, states)
 
-    def uniform(self, state: SamplingState) -> float:
-        """One uniform draw from the request's own generator when it is seeded (its draws then
-        depend on nothing else in the batch), else from the engine's."""
-        return float(torch.rand(1, generator=state.generator or self.generator))
+    def uniform(self, state: SamplingState, index: int) -> float:
+        """The uniform number for `state`'s output token `index`: u(seed, index) when the
+        request is seeded, else the next draw of the engine's generator."""
+        seed = state.params.seed
+        if seed is not None:
+            return seeded_uniform(seed, index)
+        return float(torch.rand(1, generator=self.generator))
 
-    def draw(self, state: SamplingState, weights: torch.Tensor) -> int:
-        """One token for one request by inverse CDF over unnormalized non-negative weights
-        [V] (right=True never lands on a zero-weight token)."""
-        cdf = weights.cumsum(dim=0)
-        u = torch.tensor([self.uniform(state) * float(cdf[-1])])
-        return min(int(torch.searchsorted(cdf, u, right=True)), weights.shape[0] - 1)
+    def draw(self, state: SamplingState, weights: torch.Tensor, index: int) -> int:
+        """`state`'s output token `index` by inverse CDF over unnormalized non-negative
+        weights [V]: exactly the token plain sampling draws from the same weights."""
+        u = torch.tensor([self.uniform(state, index)], dtype=torch.float64)
+        return int(inverse_cdf(weights.unsqueeze(0), u)[0])
 
     def _sample(self, logits: torch.Tensor, states, greedy: list[bool]) -> torch.Tensor:
-        vocab = logits.shape[1]
         probs = processed_probs(logits, states, greedy)
-        u = torch.rand(len(states), 1, generator=self.generator)
+        u = torch.rand(len(states), generator=self.generator, dtype=torch.float64)
         for i, s in enumerate(states):
-            if s.generator is not None and not greedy[i]:
-                u[i] = torch.rand(1, generator=s.generator)
-        cdf = probs.cumsum(dim=-1)
-        # Scaled by the row total (1 up to rounding). right=True never lands on a
-        # zero-probability token (its cdf step is flat).
-        sampled = torch.searchsorted(cdf, u * cdf[:, -1:], right=True).squeeze(1)
-        sampled.clamp_(max=vocab - 1)
+            if s.params.seed is not None and not greedy[i]:
+                u[i] = seeded_uniform(s.params.seed, len(s.output_ids))
+        sampled = inverse_cdf(probs, u)
         greedy_t = torch.tensor(greedy)
         if bool(greedy_t.any()):
             sampled = torch.where(greedy_t, argmax_rows(logits), sampled)
         return sampled
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of unnormalized non-negative weights [R, V], the token whose step of the
+    cumulative weights holds u * total (u [R] in [0, 1)): [R] int64. right=True never lands on
+    a zero-weight token (its step is flat); the point stays below the total, where u rounded to
+    the weights' precision would reach it."""
+    cdf = weights.cumsum(dim=-1)
+    total = cdf[:, -1:]
+    point = torch.minimum(u.to(cdf.dtype).unsqueeze(1) * total,
+                          total.nextafter(torch.zeros_like(total)))
+    return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=weights.shape[1] - 1)
 
 
 def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
@@ -120,11 +140,12 @@ def processed_probs(logits: torch.Tensor, states: list[SamplingState],
     if any(k > 0 for k in top_k) or any(p < 1.0 for p in top_p):
         logits = _top_k_top_p(logits, top_k, top_p)
     probs = logits.softmax(dim=-1)
-    min_p = torch.tensor([s.params.min_p for s in states])
+    min_p = torch.tensor([s.params.min_p for s in states]).unsqueeze(1)
     if bool((min_p > 0).any()):
-        limit = probs.max(dim=-1, keepdim=True).values * min_p.unsqueeze(1)
-        probs = probs.masked_fill(probs < limit, 0.0)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        kept = probs.masked_fill(probs < probs.max(dim=-1, keepdim=True).values * min_p, 0.0)
+        # Only its own rows renormalized: a row's probabilities (a seeded draw) must not
+        # depend on another request in the batch asking for min-p.
+        probs = torch.where(min_p > 0, kept / kept.sum(dim=-1, keepdim=True), probs)
     return probs
 
 

@@ -6,7 +6,7 @@ them in the same forward (workers/sample/rejection.py). A proposer sees:
 - `StepInput`s: every seq of the step with its real input tokens and full-attention block table,
   so a draft model can keep its own KV cache (same block ids, its own tensors) in step with the
   target's;
-- `DraftRequest`s: the speculating requests, with their sampling state (params, generator, the
+- `DraftRequest`s: the speculating requests, with their sampling state (params, seed, the
   tokens so far) and, for proposers that ask (`needs_hidden_states`), the target's last hidden
   state: the one that produced the request's newest token.
 After verification it is told how many drafts each request kept (`verified`); proposers that
@@ -101,7 +101,10 @@ def extend_drafts(sampler: Sampler, requests: list[DraftRequest], drafts: list[D
                   logits: torch.Tensor) -> None:
     """One more draft token per request from a proposer's logits, processed like the target's
     distribution (penalties count the drafts so far as output); sampled drafts keep the
-    distribution they were drawn from (`Draft.probs`, a list until `finish_drafts`)."""
+    distribution they were drawn from (`Draft.probs`, a list until `finish_drafts`). A seeded
+    request's draft for its output token k is drawn with u(seed, k), the uniform its
+    verification draws the target's token k with (workers/sample/rejection.py): a draft model
+    that agrees with the target proposes exactly the target's token."""
     states = [r.state for r in requests]
     scores = penalized(logits.float(), states, [d.tokens for d in drafts])
     greedy = [s.params.is_greedy() for s in states]
@@ -110,7 +113,8 @@ def extend_drafts(sampler: Sampler, requests: list[DraftRequest], drafts: list[D
         if greedy[i]:
             draft.tokens.append(int(argmax_rows(scores[i: i + 1])[0]))
             continue
-        draft.tokens.append(sampler.draw(state, probs[i]))
+        index = len(state.output_ids) + len(draft.tokens)  # the output token it drafts
+        draft.tokens.append(sampler.draw(state, probs[i], index))
         draft.probs.append(probs[i])
 
 
