@@ -202,3 +202,38 @@ def test_a_draft_equal_to_the_target_is_always_accepted_across_plain_steps(pair)
                            speculative_model=str(target), num_speculative_tokens=3)
     assert stats.spec_verify_steps >= 5 and stats.spec_draft_tokens > 0
     assert stats.spec_accepted_tokens == stats.spec_draft_tokens
+
+
+@pytest.fixture(scope="module")
+def peaked(tmp_path_factory):
+    """A 16-token target whose sampled text repeats itself (n-gram lookups hit) and a
+    different draft model of the same vocabulary."""
+    from tests.e2e.test_spec_distribution import small_vocab_model
+
+    return [small_vocab_model(tmp_path_factory.mktemp(name), seed, 12.0, max_positions=512)
+            for name, seed in (("target", 0), ("draft", 1))]
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_seeded_sampled_text_does_not_depend_on_draft_slots(peaked, method):
+    """A seeded request's text depends on its seed only: with speculation alone, beside a long
+    prompt prefilled in 16-token chunks first (which leaves its decodes one draft slot instead
+    of three), and without speculation: one uniform per output index, whatever the number of
+    drafts verified."""
+    target, draft = peaked
+    prompt = [3, 7, 1, 12, 5] * 2
+    long_prompt = np.random.default_rng(1).integers(0, 15, 200).tolist()
+    mine = SamplingParams(max_tokens=40, temperature=0.6, seed=7, ignore_eos=True)
+    other = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    engine = dict(num_kv_blocks=512, block_size=4, prefill_chunk_size=16,
+                  max_num_batched_tokens=18)
+    spec = dict(speculative_method=method, num_speculative_tokens=3, ngram_min=1, ngram_max=3,
+                speculative_model=str(draft) if method == "draft" else None)
+    with LLM(str(target), **engine) as llm:
+        ref = llm.generate([prompt], mine)[0].token_ids
+    with LLM(str(target), **engine, **spec) as llm:
+        alone = llm.generate([prompt], mine)[0].token_ids
+        stats = llm.stats()
+        together = llm.generate([long_prompt, prompt], [other, mine])[1].token_ids
+    assert stats.spec_accepted_tokens > 0 and stats.spec_draft_tokens > stats.spec_accepted_tokens
+    assert (alone, together) == (ref, ref)

@@ -23,13 +23,13 @@ PROMPT = [3, 7, 1, 12, 5]
 N = 3000
 
 
-def small_vocab_model(out: Path, seed: int, scale: float) -> Path:
+def small_vocab_model(out: Path, seed: int, scale: float, max_positions: int = 64) -> Path:
     import transformers
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     cfg = transformers.LlamaConfig(
         vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=max_positions,
         tie_word_embeddings=True, bos_token_id=0, eos_token_id=V - 1, pad_token_id=V - 1)
     torch.manual_seed(seed)
     model = transformers.LlamaForCausalLM(cfg).eval()
