@@ -167,6 +167,24 @@ def worker_pid(server_pid: int) -> int:
     raise AssertionError("no worker0 below the server")
 
 
+def test_disaggregated_seeded_sampling_equals_one_plain_server(llama):
+    """The prefill server samples a seeded request's first token, the decode server the rest:
+    each token's draw is keyed on the seed and its output index, as on one plain server, so
+    the text is the same (a decode side that restarted the seed's draws would repeat token
+    0's draw for token 1)."""
+    texts = set()
+    moved = metric(llama.url("decode"), "deepinfer_kv_transfer_blocks_total")
+    for seed in (3, -42):
+        prompt = prompt_text(100 + seed, 25)
+        extra = dict(temperature=1.0, seed=seed, ignore_eos=True)
+        ref = complete(llama.plain.base_url, prompt, **extra)["choices"][0]["text"]
+        assert complete(llama.pd.base_url, prompt, **extra)["choices"][0]["text"] == ref
+        texts.add(ref)
+    assert len(texts) == 2  # it really sampled
+    assert metric(llama.url("decode"), "deepinfer_kv_transfer_blocks_total") > moved
+    wait_idle(llama.url("prefill"), llama.url("decode"))
+
+
 def test_an_abort_during_the_transfer_frees_blocks_on_both_sides(llama):
     prefill, decode = llama.url("prefill"), llama.url("decode")
     prompt = prompt_text(11, 60)
