@@ -5,20 +5,27 @@ processes; KV moves between their workers over ZeroMQ tcp) against one plain `de
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
 import time
 
 import httpx
+import msgspec
 import numpy as np
 import pytest
 
+from engine.protocol import KVTransferParams
+from engine.trust import ROUTER_HEADER, router_proof, sign_params
 from tests.conftest import save_tiny_model
 from tests.frontend.server_process import ServerProcess, descendants, free_port
 
 COMMON = ["--num-kv-blocks", "256", "--served-model-name", "tiny", "--kv-transfer-timeout",
           "10"]
+# The PD topology's servers and router share it; tests that talk to a prefill or decode server
+# directly play the router with it (`as_router`), as a member of the cluster.
+SECRET = "pd-test-cluster-secret"
 W = 8  # the sliding model's window: prompts here span several windows
 
 
@@ -34,7 +41,8 @@ def make_model(kind: str, root) -> object:
 class Topology:
     def __init__(self, model) -> None:
         self.plain = ServerProcess(model, *COMMON)
-        self.pd = ServerProcess(model, *COMMON, "--prefill-servers", "1", "--decode-servers", "1")
+        self.pd = ServerProcess(model, *COMMON, "--prefill-servers", "1", "--decode-servers", "1",
+                                env={"DEEPINFER_CLUSTER_SECRET": SECRET})
         self.roles: dict[str, tuple[int, str]] = {}  # role -> (pid, url)
         for pid in descendants(self.pd.proc.pid):
             try:
@@ -98,10 +106,25 @@ def prompt_text(seed: int, words: int) -> str:
 
 
 def complete(url: str, prompt: str, **extra) -> dict:
-    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0, **extra})
+    r = as_router(url, {"model": "tiny", "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                        **extra})
     assert r.status_code == 200, r.text
     return r.json()
+
+
+def as_router(url: str, body: dict, path: str = "/v1/completions",
+              secret: str = SECRET) -> httpx.Response:
+    """POST `body` with the PD router's proof (under `secret`) that it wrote it."""
+    content = json.dumps(body).encode()
+    return httpx.post(f"{url}{path}", content=content, timeout=120, headers={
+        "content-type": "application/json",
+        ROUTER_HEADER: router_proof(secret.encode(), path, content)})
+
+
+def resigned(params: dict, **changes) -> dict:
+    """Transfer parameters changed and signed again, as a prefill server of the cluster would."""
+    struct = msgspec.convert(params | changes, KVTransferParams)
+    return msgspec.to_builtins(sign_params(SECRET.encode(), struct))
 
 
 def stream_text(url: str, body: dict) -> str:
@@ -188,16 +211,20 @@ def test_disaggregated_seeded_sampling_equals_one_plain_server(llama):
 def test_an_abort_during_the_transfer_frees_blocks_on_both_sides(llama):
     prefill, decode = llama.url("prefill"), llama.url("decode")
     prompt = prompt_text(11, 60)
-    held = httpx.post(f"{prefill}/v1/completions", timeout=60, json={
+    held = as_router(prefill, {
         "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
     assert metric(prefill, "deepinfer_kv_transfers_pending") == 1  # held for the decode side
     worker = worker_pid(llama.roles["prefill"][0])
     os.kill(worker, signal.SIGSTOP)  # the prefill's rank cannot answer the pull
     try:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-                "stream": True, "kv_transfer_params": held}
-        with httpx.stream("POST", f"{decode}/v1/completions", timeout=60, json=body) as r:
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                           "temperature": 0, "stream": True, "kv_transfer_params": held})
+        headers = {"content-type": "application/json",
+                   ROUTER_HEADER: router_proof(SECRET.encode(), "/v1/completions",
+                                               body.encode())}
+        with httpx.stream("POST", f"{decode}/v1/completions", timeout=60, content=body,
+                          headers=headers) as r:
             assert r.status_code == 200
             deadline = time.monotonic() + 20
             while metric(decode, "deepinfer_kv_transfers_pending") != 1:
@@ -215,20 +242,19 @@ def test_an_abort_during_the_transfer_frees_blocks_on_both_sides(llama):
 def test_a_dead_prefill_server_fails_the_request_with_a_clear_error(llama):
     decode = llama.url("decode")
     prompt = prompt_text(12, 30)
-    held = httpx.post(f"{llama.url('prefill')}/v1/completions", timeout=60, json={
+    held = as_router(llama.url("prefill"), {
         "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
     host, _, _ = held["addresses"][0].rpartition(":")
-    gone = dict(held, addresses=[f"{host}:{free_port()}#gone"])  # nothing listens there
-    r = httpx.post(f"{decode}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": prompt, "max_tokens": 8, "temperature": 0,
-        "kv_transfer_params": gone})
+    gone = resigned(held, addresses=[f"{host}:{free_port()}#gone"])  # nothing listens there
+    r = as_router(decode, {"model": "tiny", "prompt": prompt, "max_tokens": 8,
+                           "temperature": 0, "kv_transfer_params": gone})
     assert r.status_code == 503
     assert "KV transfer failed" in r.json()["error"]["message"]
     assert "no answer" in r.json()["error"]["message"]
     # A bad request is a 400 naming the field, before anything moves.
-    r = httpx.post(f"{decode}/v1/completions", timeout=60, json={
-        "model": "tiny", "prompt": prompt, "kv_transfer_params": {"do_remote_prefill": True}})
+    r = as_router(decode, {"model": "tiny", "prompt": prompt,
+                           "kv_transfer_params": {"do_remote_prefill": True}})
     assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
     wait_idle(decode)  # the failed request leaked nothing
     # The prefill server still holds the KV (until --kv-hold-timeout): a retry gets it.
@@ -255,3 +281,91 @@ def test_two_hundred_concurrent_requests_through_one_prefill_and_one_decode_serv
         else:
             assert r.text.rstrip().endswith("data: [DONE]") and '"error"' not in r.text
     wait_idle(llama.url("prefill"), llama.url("decode"), timeout=60)
+
+
+FAKE = {"do_remote_prefill": True, "transfer_id": "x", "addresses": ["tcp://127.0.0.1:1#n"],
+        "block_ids": [[0, 1, 2]], "num_tokens": 40, "block_size": 16, "first_token": 7}
+
+
+def refused(r: httpx.Response, why: str = "") -> bool:
+    error = r.json()["error"]
+    return (r.status_code == 400 and error["param"] == "kv_transfer_params"
+            and why in error["message"])
+
+
+def test_only_the_router_sets_kv_transfer_params(llama):
+    """A client's kv_transfer_params are refused wherever it sends them (the review's repros:
+    through the router's one-token fallback to a decode server, which pulled "prompt KV" from
+    the client's own address; to a prefill server, which then held KV and handed its transfer
+    socket's address out). Only the cluster's router proof opens the field, and only
+    parameters a prefill server of the cluster signed are pulled."""
+    prefill, decode = llama.url("prefill"), llama.url("decode")
+    body = {"model": "tiny", "prompt": list(range(100, 140)), "max_tokens": 1,
+            "kv_transfer_params": FAKE}
+    for url in (llama.pd.base_url, decode):
+        r = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert refused(r), r.text
+    r = httpx.post(f"{prefill}/v1/completions", timeout=60, json=body | {
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert refused(r, "only the PD router")
+    assert refused(as_router(decode, body, secret="another cluster"), "only the PD router")
+    assert refused(as_router(decode, body), "signature")  # the router's proof, unsigned params
+    # Signed, but with ids past int32 (one such request had killed the decode server).
+    for field, value in (("block_ids", [[2**40]]), ("first_token", 2**40)):
+        huge = KVTransferParams(**(FAKE | {field: value}))
+        signed = msgspec.to_builtins(sign_params(SECRET.encode(), huge))
+        assert refused(as_router(decode, body | {"kv_transfer_params": signed}), field)
+    assert complete(decode, "still up", max_tokens=2)["usage"]["completion_tokens"] == 2
+    wait_idle(prefill, decode)
+
+
+def test_kv_of_another_prompt_never_enters_the_decode_servers_cache(llama):
+    """The prefix-cache poisoning a review found: a prompt's KV handed to a decode server with
+    another prompt of the same length would be filed under that prompt's tokens, and the next
+    user of that prompt answered from the wrong KV. The prefill server's signature binds its
+    parameters to the prompt it computed."""
+    prefill, decode = llama.url("prefill"), llama.url("decode")
+    rng = np.random.default_rng(77)
+    attacker, victim = (rng.integers(3, 40000, 40).tolist() for _ in range(2))
+    held = as_router(prefill, {"model": "tiny", "prompt": attacker, "max_tokens": 1,
+                               "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+                     ).json()["kv_transfer_params"]
+    r = as_router(decode, {"model": "tiny", "prompt": victim, "max_tokens": 4, "temperature": 0,
+                           "kv_transfer_params": held})
+    assert r.status_code == 400 and "another prompt" in r.json()["error"]["message"]
+    ref = complete(llama.plain.base_url, victim, ignore_eos=True)["choices"][0]["text"]
+    assert complete(decode, victim, ignore_eos=True)["choices"][0]["text"] == ref
+    assert complete(llama.pd.base_url, victim, ignore_eos=True)["choices"][0]["text"] == ref
+    r = as_router(decode, {"model": "tiny", "prompt": attacker, "max_tokens": 4,
+                           "temperature": 0, "kv_transfer_params": held})
+    assert r.status_code == 200  # the parameters were good for their own prompt
+    wait_idle(prefill, decode)
+
+
+def test_a_request_aborted_before_admission_frees_the_prefill_servers_hold(llama):
+    """A decode request that waits for room and whose client leaves tells the prefill server
+    at once; before, the prefill server kept the blocks until --kv-hold-timeout (120 s)."""
+    prefill, decode = llama.url("prefill"), llama.url("decode")
+    prompt = prompt_text(41, 60)
+    held = as_router(prefill, {"model": "tiny", "prompt": prompt, "max_tokens": 1,
+                               "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
+                     ).json()["kv_transfer_params"]
+    assert metric(prefill, "deepinfer_kv_transfers_pending") == 1
+    worker = worker_pid(llama.roles["decode"][0])
+    os.kill(worker, signal.SIGSTOP)  # the decode server's step stalls: requests queue up
+    try:
+        long = {"model": "tiny", "prompt": prompt_text(42, 20), "max_tokens": 200,
+                "ignore_eos": True, "stream": True}
+        body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8, "stream": True,
+                           "kv_transfer_params": held})
+        headers = {"content-type": "application/json", ROUTER_HEADER: router_proof(
+            SECRET.encode(), "/v1/completions", body.encode())}
+        with httpx.stream("POST", f"{decode}/v1/completions", json=long, timeout=60):
+            with httpx.stream("POST", f"{decode}/v1/completions", content=body,
+                              headers=headers, timeout=60):
+                time.sleep(1.0)  # both are in the scheduler; the worker holds the first
+            # The pulled request's client left while it waited.
+    finally:
+        os.kill(worker, signal.SIGCONT)
+    wait_idle(prefill, timeout=20)  # long before the 120 s hold timeout
+    wait_idle(decode)
