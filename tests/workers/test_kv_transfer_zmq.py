@@ -8,8 +8,11 @@ the blocks)."""
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
 import time
 import uuid
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -299,3 +302,21 @@ def test_nixl_transport_imports_without_nixl():
     from workers.kv_transfer import nixl_transport
 
     assert "nixl" not in nixl_transport.__dict__
+
+
+def test_a_pull_waiting_on_a_dead_server_does_not_hold_up_the_process_exit(tmp_path):
+    """The pulling threads are daemons: a worker that exits (or a test process) does not wait
+    out a pull's deadline, nor for a scheduler that no longer reads its reports."""
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys, zmq\n"
+        "sys.path.insert(0, sys.argv[1])\n"
+        "from tests.workers.test_kv_transfer_zmq import Link, PAIRS, free_endpoint\n"
+        "link = Link(timeout=300)\n"
+        "link.pull('t', PAIRS, address=free_endpoint() + '#n')\n"
+        "link.pulled.close(0)  # nobody will read the report\n"
+        "print('leaving')\n")
+    repo = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run([sys.executable, str(script), repo], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "leaving" in out.stdout, out.stderr

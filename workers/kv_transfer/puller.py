@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import queue
 import threading
 import time
 import uuid
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import numpy as np
@@ -62,12 +62,14 @@ class KVPuller:
         self.zctx, self.tensors, self.rank = zctx, tensors, rank
         self.timeout, self.secret = timeout, secret
         self.on_gpu = any(t.is_cuda for ts in tensors for t in ts)
-        self.pool = ThreadPoolExecutor(MAX_CONCURRENT_PULLS, "deepinfer-kv-puller")
+        self.jobs: queue.Queue[KVPull] = queue.Queue()
         self.lock = threading.Lock()
         self.active: set[str] = set()  # requests with a pull submitted and not yet reported
         self.cancelled: set[str] = set()
         self.encode = msgspec.msgpack.Encoder().encode
-        self.report = push(zctx, report_to)  # shared by the pool's threads, under self.lock
+        # Shared by the pulling threads, under its own lock (a send may wait for the scheduler).
+        self.report = push(zctx, report_to)
+        self.report_lock = threading.Lock()
         self.local = threading.local()  # each thread's sockets, by prefill endpoint
         self.seqs = itertools.count(1)
         self.nixl = self.nixl_lock = None
@@ -76,12 +78,16 @@ class KVPuller:
 
             self.nixl = NixlSink(tensors, f"deepinfer-decode-{uuid.uuid4().hex[:12]}-{rank}")
             self.nixl_lock = threading.Lock()
+        # Daemons: a pull waiting out its deadline never holds up the worker's exit.
+        for i in range(MAX_CONCURRENT_PULLS):
+            threading.Thread(target=self._serve, name=f"deepinfer-kv-puller-{i}",
+                             daemon=True).start()
 
     def submit(self, pulls: list[KVPull]) -> None:
         with self.lock:
             self.active.update(p.request_id for p in pulls)
         for pull in pulls:
-            self.pool.submit(self._run, pull)
+            self.jobs.put(pull)
 
     def cancel(self, request_ids: list[str]) -> None:
         """Requests that ended: stop their pulls, if any."""
@@ -91,6 +97,10 @@ class KVPuller:
     def _is_cancelled(self, request_id: str) -> bool:
         with self.lock:
             return request_id in self.cancelled
+
+    def _serve(self) -> None:
+        while True:
+            self._run(self.jobs.get())
 
     def _run(self, pull: KVPull) -> None:
         t0 = time.perf_counter()
@@ -103,6 +113,7 @@ class KVPuller:
         with self.lock:
             self.active.discard(pull.request_id)
             self.cancelled.discard(pull.request_id)
+        with self.report_lock:
             self.report.send(self.encode(done))
 
     def _socket(self, endpoint: str) -> zmq.Socket:
