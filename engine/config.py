@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgspec
 
-from engine import envs
-from engine.kv_spec import KV, KVCacheSpec
-from engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
+from deepinfer.engine import envs
+from deepinfer.engine.kv_layout import KV, KVCacheLayout
+from deepinfer.engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
@@ -125,7 +125,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_transfer_timeout: float = 30.0
     kv_hold_timeout: float = 120.0
     # How KV blocks move between servers: "zmq" (over the transfer sockets themselves, works
-    # anywhere) or "nixl" (NIXL READs, workers/kv_transfer/nixl_transport.py; an extra).
+    # anywhere) or "nixl" (NIXL READs, workers/kv_connectors/transfer/nixl_transport.py; an extra).
     kv_transfer_backend: str = "zmq"
 
     def resolved_model_dir(self) -> str:
@@ -193,7 +193,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         Reads the model's config: call it once --model is resolved."""
         if self.kv_dtype() == self.dtype:
             return
-        other = sorted({layer.entry for layer in self.kv_cache_spec().layers} - {KV})
+        other = sorted({layer.entry for layer in self.kv_cache_layout().layers} - {KV})
         _require(not other, f"--kv-cache-dtype {self.kv_cache_dtype}: the model's "
                             f"{', '.join(other)} cache entries keep --dtype {self.dtype} (only "
                             "key/value caches take another type so far)")
@@ -352,22 +352,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError("swa_snapshot_interval must be >= 0")
         return self.swa_snapshot_interval
 
-    def kv_cache_spec(self) -> KVCacheSpec:
+    def kv_cache_layout(self) -> KVCacheLayout:
         model = self.model_config()
         if model.compressed is not None:
             model.compressed.check_block_size(self.block_size)
-        return model.kv_cache_spec(self.block_size)
+        return model.kv_cache_layout(self.block_size)
 
     def kv_bytes_per_block(self, entries: list[int] | None = None) -> int:
         """Bytes of one block of these cache entries (default: all of them)."""
-        spec = self.kv_cache_spec()
-        return spec.bytes_per_token(_DTYPE_BYTES[self.kv_dtype()], entries) * self.block_size
+        layout = self.kv_cache_layout()
+        return layout.bytes_per_token(_DTYPE_BYTES[self.kv_dtype()], entries) * self.block_size
 
     def host_kv_blocks(self) -> int:
         """Host-tier blocks: they hold full-attention layers only."""
         if self.host_kv_cache_gb <= 0:
             return 0
-        full = self.kv_cache_spec().layers_of(FULL)
+        full = self.kv_cache_layout().layers_of(FULL)
         if not full:
             return 0
         return max(1, int(self.host_kv_cache_gb * (1 << 30)) // self.kv_bytes_per_block(full))

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from engine.kv_spec import FULL, LATENT, SLIDING, VECTOR, KVCacheSpec, LayerKVSpec
+from deepinfer.engine.kv_layout import FULL, LATENT, SLIDING, VECTOR, KVCacheLayout, LayerKVLayout
 
 
 class ModelConfigError(ValueError):
@@ -262,18 +262,18 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
 
-    def kv_cache_spec(self, block_size: int = 16) -> KVCacheSpec:
-        """What each layer keeps per token in the paged KV cache (engine/kv_spec.py). Only
+    def kv_cache_layout(self, block_size: int = 16) -> KVCacheLayout:
+        """What each layer keeps per token in the paged KV cache (engine/kv_layout.py). Only
         DeepSeek-V4's compressed entries depend on the block size (their width per slot)."""
         if self.compressed is not None:
-            return KVCacheSpec(v4_cache_entries(self, block_size))
+            return KVCacheLayout(v4_cache_entries(self, block_size))
         if self.mla:
-            return KVCacheSpec(tuple(
-                LayerKVSpec(kind, 1, self.kv_lora_rank, entry=LATENT,
+            return KVCacheLayout(tuple(
+                LayerKVLayout(kind, 1, self.kv_lora_rank, entry=LATENT,
                             rope_dim=self.qk_rope_head_dim)
                 for kind in self.layer_kinds))
-        return KVCacheSpec(tuple(
-            LayerKVSpec(kind, self.num_kv_heads, self.head_dim,
+        return KVCacheLayout(tuple(
+            LayerKVLayout(kind, self.num_kv_heads, self.head_dim,
                         self.sliding_window if kind == SLIDING else None)
             for kind in self.layer_kinds))
 
@@ -358,7 +358,7 @@ def checkpoint_quantization(raw: dict) -> dict[str, Any]:
     return {"quantization": "fp8", "fp8_block": (int(block[0]), int(block[1]))}
 
 
-def v4_cache_entries(cfg: ModelConfig, block_size: int) -> tuple[LayerKVSpec, ...]:
+def v4_cache_entries(cfg: ModelConfig, block_size: int) -> tuple[LayerKVLayout, ...]:
     """DeepSeek-V4's entries per layer. Sliding ones (the same window W, the most any of them
     needs): the K = V window and the compressors' per-token inputs (kv | gate). Full ones: the
     compressed entries and indexer keys, one per window of `rate` tokens, stored spread over the
@@ -371,7 +371,7 @@ def v4_cache_entries(cfg: ModelConfig, block_size: int) -> tuple[LayerKVSpec, ..
         return width // min(rate, block_size)
 
     def add(layer: int, name: str, kind: str, width: int) -> None:
-        entries.append(LayerKVSpec(kind, 1, width, w if kind == SLIDING else None, VECTOR,
+        entries.append(LayerKVLayout(kind, 1, width, w if kind == SLIDING else None, VECTOR,
                                    layer=layer, name=name))
 
     for i, kind in enumerate(c.attention):

@@ -317,21 +317,38 @@ class ScheduledSeq(msgspec.Struct, **_STRUCT):
     draft_slots: int = 0
 
 
+class HostTierCopies(msgspec.Struct, tag="host_tier", **_STRUCT):
+    """The host tier's copies of full-attention blocks, run before the forward in this order:
+    saves, int32 pairs (device block, host block), then loads, (host block, device block)."""
+
+    saves: bytes = b""
+    loads: bytes = b""
+
+
+class TransferWork(msgspec.Struct, tag="transfer", **_STRUCT):
+    """Prefill/decode disaggregation: pulls to start and requests whose pulls stop (decode
+    side); transfers now held, and transfer ids whose blocks are no longer held (prefill side:
+    what a pull may read)."""
+
+    pulls: list[KVPull] = []
+    cancels: list[str] = []
+    held: list[KVHold] = []
+    released: list[str] = []
+
+
+# One step's entry for one KV connector (engine/kvcache/connectors): a new connector adds its
+# type here.
+KVConnectorMeta = HostTierCopies | TransferWork
+
+
 class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
     step_id: int
     seqs: list[ScheduledSeq]
     new_requests: list[NewRequestInfo] = []
     # Requests the workers may forget (finished, aborted): their sampling state is dropped.
     finished: list[str] = []
-    # Host-tier copies of full-attention blocks, run before the forward in this order:
-    # int32 pairs (device block, host block), then (host block, device block).
-    swap_out: bytes = b""
-    swap_in: bytes = b""
-    # Prefill/decode disaggregation: pulls to start (decode side); transfers now held, and
-    # transfer ids whose blocks are no longer held (prefill side: what a pull may read).
-    kv_pulls: list[KVPull] = []
-    kv_released: list[str] = []
-    kv_held: list[KVHold] = []
+    # Each KV connector's work for this step, by connector name, run before the forward.
+    connectors: dict[str, KVConnectorMeta] = {}
 
 
 class CompileGrammar(msgspec.Struct, tag=True, **_STRUCT):

@@ -6,7 +6,7 @@ import enum
 
 import numpy as np
 
-from engine.protocol import FinishReason, SamplingParams
+from deepinfer.engine.protocol import FinishReason, SamplingParams
 
 
 class Status(enum.Enum):

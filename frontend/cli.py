@@ -12,8 +12,8 @@ import os
 import secrets
 import sys
 
-from engine import envs, model_store
-from engine.config import (
+from deepinfer.engine import envs, model_store
+from deepinfer.engine.config import (
     DEFAULT_MODEL_NAME,
     DEVICES,
     DISAGGREGATION_MODES,
@@ -25,13 +25,14 @@ from engine.config import (
     EngineConfig,
     ModelConfigError,
 )
-from engine.runtime.launcher import EngineStartupError
-from frontend.auth import resolve_api_key
-from frontend.router.policy import POLICIES
+from deepinfer.engine.runtime.launcher import EngineStartupError
+from deepinfer.frontend.auth import resolve_api_key
+from deepinfer.frontend.router.policy import POLICIES
 
 # (flag, type, help); unset flags keep EngineConfig's defaults.
 _ENGINE_ARGS = [
-    ("--dtype", str, "weights and KV cache dtype: float32, float16, bfloat16"),
+    ("--dtype", str, "the model's dtype, weights and activations: float32 (default), float16, "
+     "bfloat16; the KV cache's too unless --kv-cache-dtype says otherwise"),
     ("--kv-cache-dtype", str, "what the KV cache stores: auto (--dtype, default), float32, "
      "float16 or bfloat16 (half the bytes of float32: twice the tokens per --kv-cache-gb, "
      "faster decode attention; attention computes in float32)"),
@@ -146,7 +147,7 @@ def _replica_args(args: argparse.Namespace, model: str,
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from frontend.server.server import serve
+    from deepinfer.frontend.server.server import serve
 
     disaggregated = bool(args.prefill_servers)
     if disaggregated and envs.cluster_secret() is None:
@@ -156,19 +157,19 @@ def _serve(args: argparse.Namespace) -> int:
     overrides = {"disaggregation_mode": "prefill"} if disaggregated else {}
     config = model_store.ensure_config(engine_config(args, **overrides))
     if config.node_rank > 0:  # this node only runs worker ranks
-        from engine.runtime.worker_node import run_worker_node
+        from deepinfer.engine.runtime.worker_node import run_worker_node
 
         return run_worker_node(config)
     if args.data_parallel_size > 1:
-        from frontend.router.policy import Policy
-        from frontend.router.server import serve_data_parallel
+        from deepinfer.frontend.router.policy import Policy
+        from deepinfer.frontend.router.server import serve_data_parallel
 
         return serve_data_parallel(_replica_args(args, config.model), args.data_parallel_size,
                                    args.host, args.port, Policy(args.policy),
                                    config.worker_threads, resolve_api_key(args.api_key))
     if disaggregated:
-        from frontend.router.policy import Policy
-        from frontend.router.server import serve_disaggregated
+        from deepinfer.frontend.router.policy import Policy
+        from deepinfer.frontend.router.server import serve_disaggregated
 
         server_args = _replica_args(args, config.model, ("worker_threads", "disaggregation_mode"))
         return serve_disaggregated(server_args, args.prefill_servers, args.decode_servers,
@@ -180,8 +181,8 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _router(args: argparse.Namespace) -> int:
-    from frontend.router.policy import Policy
-    from frontend.router.server import run_pd_router, run_router
+    from deepinfer.frontend.router.policy import Policy
+    from deepinfer.frontend.router.server import run_pd_router, run_router
 
     policy = Policy(args.policy, args.cache_threshold, args.balance_abs_threshold)
     if args.prefill:
@@ -223,9 +224,9 @@ def usage_problem(args: argparse.Namespace) -> str | None:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.protocol import SamplingParams
-    from engine.runtime.llm import LLM
-    from engine.tokenizer.tokenizer import Tokenizer
+    from deepinfer.engine.protocol import SamplingParams
+    from deepinfer.engine.runtime.llm import LLM
+    from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 
     config = model_store.ensure_config(engine_config(args))
     chat = args.chat
@@ -251,7 +252,7 @@ def _prepare_model(args: argparse.Namespace) -> int:
 
 
 def _bench_serve(args: argparse.Namespace) -> int:
-    from frontend.bench import serving as bench_serving
+    from deepinfer.frontend.bench import serving as bench_serving
 
     return bench_serving.run(args)
 
@@ -349,7 +350,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks")
     bench_sub = bench.add_subparsers(dest="bench_command", required=True)
     bench_serve = bench_sub.add_parser("serve", help="load-test an OpenAI-compatible server")
-    from frontend.bench.serving import add_arguments
+    from deepinfer.frontend.bench.serving import add_arguments
 
     add_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
@@ -378,7 +379,3 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelConfigError, EngineStartupError) as e:
         print(f"deepinfer: error: {e}", file=sys.stderr)
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

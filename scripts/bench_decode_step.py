@@ -26,7 +26,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 PROMPT = list(range(100, 228))
 
@@ -42,9 +41,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def runner(model: str, quantization: str | None, threads: int):
-    from engine.config import EngineConfig
-    from engine.protocol import NewRequestInfo, SamplingParams, ScheduledSeq, StepPlan, pack_ids
-    from workers.model_runner import ModelRunner
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.protocol import (
+        NewRequestInfo,
+        SamplingParams,
+        ScheduledSeq,
+        StepPlan,
+        pack_ids,
+    )
+    from deepinfer.workers.model_runner import ModelRunner
 
     cfg = EngineConfig(model=model, num_kv_blocks=64, block_size=16, quantization=quantization,
                        worker_threads=threads)
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import torch
 
-    from engine.model_store import prepare_gguf_model, prepared_gguf
+    from deepinfer.engine.model_store import prepare_gguf_model, prepared_gguf
 
     torch.set_num_threads(args.threads)
     q4_1 = prepared_gguf("default")

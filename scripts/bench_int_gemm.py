@@ -19,13 +19,10 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from kernels.cpu import quant_linear as ql  # noqa: E402
+from deepinfer.kernels.cpu import quant_linear as ql
 
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30  # SmolLM2-135M's layers
 

@@ -27,7 +27,6 @@ import json
 import os
 import secrets
 import shlex
-import subprocess
 import sys
 import time
 import urllib.request
@@ -39,12 +38,12 @@ import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # for scripts.*, after site-packages
 
-from frontend.bench.client import RequestResult, payload, send  # noqa: E402
-from frontend.bench.datasets import BenchRequest, random_requests  # noqa: E402
-from frontend.bench.metrics import summarize  # noqa: E402
-from scripts.server_process import start_server, stop_server  # noqa: E402
+from deepinfer.frontend.bench.client import RequestResult, payload, send  # noqa: E402
+from deepinfer.frontend.bench.datasets import BenchRequest, random_requests  # noqa: E402
+from deepinfer.frontend.bench.metrics import summarize  # noqa: E402
+from scripts.server_process import ServerProcess  # noqa: E402
 
 MODES = ("colocated", "disaggregated")
 KV_BYTES, KV_SECONDS = "deepinfer_kv_transfer_bytes_total", "deepinfer_kv_transfer_seconds_sum"
@@ -53,9 +52,10 @@ KV_BYTES, KV_SECONDS = "deepinfer_kv_transfer_bytes_total", "deepinfer_kv_transf
 # ---------------------------------------------------------------------------- processes
 
 
-def start_router(prefill: str, decode: str) -> tuple[subprocess.Popen, str]:
+def start_router(prefill: str, decode: str) -> ServerProcess:
     """`deepinfer router --prefill URL --decode URL` on a free port, once it is healthy."""
-    return start_server(["--prefill", prefill, "--decode", decode], 60.0, command="router")
+    return ServerProcess(None, "--prefill", prefill, "--decode", decode, command="router",
+                         timeout=60.0)
 
 
 def serve_args(args: argparse.Namespace, threads: int, *extra: str) -> list[str]:
@@ -157,18 +157,22 @@ def run_mode(mode: str, args: argparse.Namespace) -> dict[str, Any]:
     threads_each = max(1, args.worker_threads // 2)
     with ExitStack() as procs:
         if mode == "colocated":
-            proc, url = start_server(serve_args(args, args.worker_threads))
-            procs.callback(stop_server, proc)
+            server = ServerProcess(None, *serve_args(args, args.worker_threads), timeout=600)
+            procs.callback(server.stop)
+            url = server.base_url
         else:
             # The servers and their router authenticate each other with it (README "Security").
             os.environ.setdefault("DEEPINFER_CLUSTER_SECRET", secrets.token_hex(32))
             servers = {}
             for role in ("prefill", "decode"):
-                proc, servers[role] = start_server(
-                    serve_args(args, threads_each, "--disaggregation-mode", role))
-                procs.callback(stop_server, proc)
-            proc, url = start_router(servers["prefill"], servers["decode"])
-            procs.callback(stop_server, proc)
+                server = ServerProcess(None, *serve_args(args, threads_each,
+                                                         "--disaggregation-mode", role),
+                                       timeout=600)
+                procs.callback(server.stop)
+                servers[role] = server.base_url
+            router = start_router(servers["prefill"], servers["decode"])
+            procs.callback(router.stop)
+            url = router.base_url
         start = time.perf_counter()
         out = report(asyncio.run(workload(url, args)), args.duration)
         out["wall_s_with_warmup"] = time.perf_counter() - start

@@ -56,7 +56,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 RESULT_PREFIX = "BENCH_PEERS_RESULT "
 ALL_SYSTEMS = ("deepinfer", "hf-static", "hf-cb", "llamacpp")
@@ -149,8 +148,8 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
 
 def model_dir(model: str) -> str:
     """A directory, or a named model (prepared first if it is not yet)."""
-    from engine.config import EngineConfig
-    from engine.model_store import ensure_model
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.model_store import ensure_model
 
     return EngineConfig(model=ensure_model(model)).resolved_model_dir()
 
@@ -242,7 +241,7 @@ def worker_memory_mb() -> Result:
 
 def deepinfer_generate(llm: Any) -> GenerateFn:
     """Greedy, exactly n tokens a prompt, through an engine.LLM."""
-    from engine import SamplingParams
+    from deepinfer import SamplingParams
 
     def generate(batch: list[list[int]], n: int) -> list[int]:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
@@ -267,8 +266,8 @@ def llamacpp_generate(llm: Any) -> GenerateFn:
 
 
 def run_deepinfer(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
-    from engine import LLM
-    from engine.config import EngineConfig
+    from deepinfer import LLM
+    from deepinfer.engine.config import EngineConfig
 
     block = EngineConfig().block_size
     longest = args.input_len + max(args.output_len, args.batch_1_tokens)

@@ -48,7 +48,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # for scripts.*, after site-packages
 
 from scripts import bench_peers  # noqa: E402
 
@@ -109,7 +109,7 @@ def median(values: list[float | None]) -> float | None:
 
 def texts_child(spec: str, tokens: int) -> int:
     """--texts MODEL[,QUANT]: greedy chat answers to PROMPTS, one per line of JSON."""
-    from engine import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams
 
     model, _, quantization = spec.partition(",")
     llm = LLM(model, quantization=quantization or None)
@@ -142,7 +142,7 @@ def fmt(value, spec: str = ".1f") -> str:
 def alternate_batch1(args: argparse.Namespace, q4_1: Path, q8_0: Path) -> dict:
     """--alternate: every format (and DeepInfer KV cache type) loaded here at once, batch-1
     decode measured in turn each round; per label, its tok/s per round."""
-    from engine import LLM
+    from deepinfer import LLM
 
     prompt = bench_peers.make_prompts(1, args.input_len, bench_peers.vocab_size("default"),
                                       0)[0]
@@ -205,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.texts:
         return texts_child(args.texts, args.agreement_tokens)
-    from engine.model_store import prepared_gguf
+    from deepinfer.engine.model_store import prepared_gguf
 
     q4_1 = prepared_gguf("default")
     work = Path(args.work_dir)

@@ -16,7 +16,6 @@ import argparse
 import asyncio
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -24,17 +23,17 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # for scripts.*, after site-packages
 
-from scripts.server_process import start_server, stop_server  # noqa: E402
+from scripts.server_process import ServerProcess  # noqa: E402
 
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "baking", "painting",
           "cycling", "history", "music", "geology", "poetry"]
 
 
-def start(policy: str, replicas: int, model: str) -> tuple[subprocess.Popen, str]:
-    return start_server(["--model", model, "--data-parallel-size", str(replicas),
-                         "--policy", policy])
+def start(policy: str, replicas: int, model: str) -> ServerProcess:
+    return ServerProcess(model, "--data-parallel-size", str(replicas), "--policy", policy,
+                         timeout=600)
 
 
 async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict],
@@ -96,11 +95,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = {"command": " ".join(["scripts/bench_router.py", *(argv or sys.argv[1:])])}
     for policy in args.policies.split(","):
-        proc, url = start(policy, args.replicas, args.model)
+        server = start(policy, args.replicas, args.model)
         try:
-            out[policy] = asyncio.run(workload(url, args))
+            out[policy] = asyncio.run(workload(server.base_url, args))
         finally:
-            stop_server(proc)
+            server.stop()
         print(policy, json.dumps(out[policy]))
     if args.result_file:
         Path(args.result_file).write_text(json.dumps(out, indent=2))

@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from frontend.bench.serving import main  # noqa: E402
+from deepinfer.frontend.bench.serving import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -27,9 +27,9 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # for scripts.*, after site-packages
 
-from kernels.cpu import quant_linear as ql  # noqa: E402
+from deepinfer.kernels.cpu import quant_linear as ql  # noqa: E402
 from scripts.bench_int_gemm import SHAPES as LAYERS  # noqa: E402
 
 SHAPES = LAYERS + [(49152, 576)]  # the layers' linears and the head

@@ -53,7 +53,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # for scripts.*, after site-packages
 
 from scripts import bench_peers as peers  # noqa: E402
 from scripts.bench_peers import Result, Unavailable  # noqa: E402
@@ -77,7 +77,7 @@ WARMUP_TOKENS = 4
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    from engine.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
 
     engine = EngineConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -152,9 +152,9 @@ def child_flags(args: argparse.Namespace) -> list[str]:
 
 def grounded_prompt_ids(model: str, num: int) -> list[list[int]]:
     """The input-grounded prompts as the model sees them (its chat template), cycled to `num`."""
-    from engine.config import EngineConfig
-    from engine.tokenizer.tokenizer import Tokenizer
-    from frontend.bench.grounded_prompts import GROUNDED_PROMPTS
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.tokenizer.tokenizer import Tokenizer
+    from deepinfer.frontend.bench.grounded_prompts import GROUNDED_PROMPTS
 
     tokenizer = Tokenizer(EngineConfig(model=model).resolved_model_dir())
     return [tokenizer.encode_chat([{"role": "user", "content": prompt}])[1]
@@ -177,7 +177,7 @@ def workload(args: argparse.Namespace, name: str) -> tuple[list[list[int]], int,
 
 def engine_args(args: argparse.Namespace, mode: str, seqs: int, longest: int) -> dict[str, Any]:
     """LLM(...) settings: a KV cache sized for the workload, speculation per `mode`."""
-    from engine.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
 
     spec_room = args.num_speculative_tokens + 1 if mode == "on" else 0
     blocks = seqs * (math.ceil((longest + spec_room) / EngineConfig().block_size) + 1) + 8
@@ -221,7 +221,7 @@ def time_batch1(generate: Generate, prompts: list[list[int]], max_tokens: int) -
 
 
 def run_deepinfer(args: argparse.Namespace, name: str, mode: str) -> Result:
-    from engine import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams
 
     prompts, max_tokens, ignore_eos = workload(args, name)
     batched = name == "concurrent"
@@ -264,7 +264,7 @@ def require_llama_cpp() -> None:
 def run_llamacpp(args: argparse.Namespace, mode: str) -> Result:
     from llama_cpp import Llama
 
-    from engine.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
 
     path = args.gguf or peers.gguf_path()
     prompts = grounded_prompt_ids(args.model, args.num_prompts)
@@ -307,7 +307,7 @@ def run_llamacpp(args: argparse.Namespace, mode: str) -> Result:
 
 def child_main(args: argparse.Namespace) -> int:
     """`--run-one WORKLOAD --run-mode MODE`: one run, printed as one prefixed JSON line."""
-    from engine import model_store
+    from deepinfer.engine import model_store
 
     name, mode = args.run_one, args.run_mode or "off"
     try:

@@ -8,7 +8,7 @@
   tok/s = all output tokens / wall time; the sides alternate `--repeats` times and the best of
   each is kept. Target: constrained >= 0.90x unconstrained.
 * compile - the xgrammar backend for the model, in this process: milliseconds to compile each
-  of the tests' JSON schemas (tests/e2e/structured_schemas.py) the first time, and to get it
+  of the tests' JSON schemas (scripts/structured_schemas.py) the first time, and to get it
   again from the compile service's cache.
 
     .venv/bin/python scripts/bench_structured.py                     # the full run
@@ -25,10 +25,10 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # for scripts.*, after site-packages
 
-from engine.protocol import GrammarSpec, SamplingParams  # noqa: E402
-from engine.runtime.llm import LLM  # noqa: E402
+from deepinfer.engine.protocol import GrammarSpec, SamplingParams  # noqa: E402
+from deepinfer.engine.runtime.llm import LLM  # noqa: E402
 
 PRODUCT = {"type": "object", "properties": {
     "id": {"type": "integer", "minimum": 100, "maximum": 999},
@@ -76,11 +76,11 @@ def throughput(args: argparse.Namespace) -> dict:
 
 
 def compile_times(args: argparse.Namespace) -> dict:
-    from engine.config import EngineConfig
-    from engine.model_store import ensure_model
-    from tests.e2e.structured_schemas import SCHEMAS
-    from workers.structured.compile_service import GrammarCompileService
-    from workers.structured.xgrammar_backend import XGrammarBackend
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.model_store import ensure_model
+    from deepinfer.workers.structured.compile_service import GrammarCompileService
+    from deepinfer.workers.structured.xgrammar_backend import XGrammarBackend
+    from scripts.structured_schemas import SCHEMAS
 
     config = EngineConfig(model=ensure_model(args.model))
     info = config.model_config()

@@ -32,10 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_store import ensure_model  # noqa: E402
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.model_store import ensure_model
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # for scripts.*, after site-packages
 
-from engine import LLM, SamplingParams  # noqa: E402
-from tests.conftest import save_tiny_model  # noqa: E402
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from scripts.tiny_models import save_tiny_model  # noqa: E402
 
 ONE = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
 

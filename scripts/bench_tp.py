@@ -20,10 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent))  # for scripts.*, after site-packages
 
-from engine import LLM, SamplingParams  # noqa: E402
-from engine.model_store import ensure_model  # noqa: E402
+from deepinfer import LLM, SamplingParams  # noqa: E402
+from deepinfer.engine.model_store import ensure_model  # noqa: E402
 from scripts.server_process import descendants, rss_mb  # noqa: E402
 
 

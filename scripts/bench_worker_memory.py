@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from engine import LLM, SamplingParams  # noqa: E402
+from deepinfer import LLM, SamplingParams
 
 
 def worker_memory_mb(llm: LLM) -> tuple[float, float]:
@@ -53,7 +50,7 @@ def random_half_billion(out: Path) -> str:
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
     model.save_pretrained(str(out), safe_serialization=True)
-    from engine.config import EngineConfig
+    from deepinfer.engine.config import EngineConfig
 
     src = Path(EngineConfig().resolved_model_dir())
     for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+sys.path.append(str(ROOT))  # for scripts.*, after site-packages
 
-from engine import LLM  # noqa: E402
-from engine.protocol import SamplingParams  # noqa: E402
+from deepinfer import LLM  # noqa: E402
+from deepinfer.engine.protocol import SamplingParams  # noqa: E402
 from scripts.bench_peers import measure_batch, measure_batch1  # noqa: E402
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",

@@ -4,11 +4,8 @@ old name. The work is in engine/model_store, which ships with the package."""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from frontend.cli import main  # noqa: E402
+from deepinfer.frontend.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["prepare-model", *sys.argv[1:]]))

@@ -29,9 +29,9 @@ from pathlib import Path
 import aiohttp
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+sys.path.append(str(REPO))  # for scripts.*, after site-packages
 
-from scripts.server_process import descendants, rss_mb, start_server, stop_server  # noqa: E402
+from scripts.server_process import ServerProcess, descendants, rss_mb  # noqa: E402
 
 # Each must be refused with a 400 (and leave nothing behind).
 BAD_BODIES = [
@@ -52,7 +52,7 @@ BAD_BODIES = [
 class RssSampler(threading.Thread):
     def __init__(self, pid: int, interval: float = 1.0) -> None:
         super().__init__(daemon=True)
-        self.procs = descendants(pid)
+        self.procs = {pid: "server", **descendants(pid)}
         self.samples: dict[str, list[float]] = {name: [] for name in self.procs.values()}
         self.interval, self.stopped = interval, threading.Event()
 
@@ -163,12 +163,13 @@ def kv_settled(url: str, timeout: float = 30.0) -> dict[str, float]:
 
 
 def soak(args: argparse.Namespace) -> dict:
-    proc = None
+    server = None
     url = args.url
     if url is None:
-        proc, url = start_server(["--model", args.model, *(args.server_arg or [])])
+        server = ServerProcess(args.model, *(args.server_arg or []), timeout=600)
+        url = server.base_url
     try:
-        sampler = RssSampler(proc.pid if proc else os.getpid())
+        sampler = RssSampler(server.proc.pid if server else os.getpid())
         sampler.start()
         t0 = time.perf_counter()
         counts = asyncio.run(load(url, args))
@@ -182,8 +183,8 @@ def soak(args: argparse.Namespace) -> dict:
                 "kv": kv, "kv_leaked_blocks": kv["kv_blocks_total"] - kv["kv_blocks_free"],
                 "healthy_after": healthy, "rss": sampler.report(args.warmup_share)}
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if server is not None:
+            server.stop()
 
 
 def build_parser() -> argparse.ArgumentParser:

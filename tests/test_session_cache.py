@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from engine import envs
-from engine.config import EngineConfig
-from engine.model_store import is_prepared
-from engine.model_store.gguf_model import sidecar_dir
+from deepinfer.engine import envs
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.model_store import is_prepared
+from deepinfer.engine.model_store.gguf_model import sidecar_dir
 
 
 def test_gguf_sidecars_are_made_under_the_sessions_temporary_root(tmp_path, tmp_path_factory):

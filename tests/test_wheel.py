@@ -1,11 +1,14 @@
-"""The built wheel, installed into a fresh venv, works from anywhere (slow: ~2-4 min).
+"""The built wheel, installed into a fresh venv beside the newest transformers and Hugging Face's
+`kernels` package, works from anywhere (slow: ~3-5 min).
 
-It must carry the native kernels' C++ sources (they are compiled on first use) and everything
-`deepinfer prepare-model` needs; then `deepinfer serve` from that venv, started outside the
-checkout, answers the default model's known greedy reply, with every native op built.
-To avoid downloading torch, the fresh venv sees the running interpreter's site-packages through a
-.pth file: a plain path line, so the editable install's finder there is not activated and
-DeepInfer comes from the wheel alone.
+The wheel holds one top-level package, `deepinfer`; it must carry the native kernels' C++
+sources (they are compiled on first use) and everything `deepinfer prepare-model` needs. Hugging
+Face's `kernels` (required by transformers >= 5.25) imports beside `deepinfer.kernels`; then
+`deepinfer serve` from that venv, started outside the checkout, answers the default model's known
+greedy reply, with every native op built. To avoid downloading torch, the fresh venv sees the
+running interpreter's site-packages through a .pth file: a plain path line, so the editable
+install's finder there is not activated and DeepInfer comes from the wheel alone; transformers
+and kernels are installed into the venv itself.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.frontend.server_process import free_port, wait_healthy
+from scripts.server_process import free_port, wait_healthy
 
 REPO = Path(__file__).resolve().parents[1]
 CSRC = sorted(p.name for p in (REPO / "kernels/cpu/csrc").iterdir()
@@ -33,16 +36,22 @@ FALLBACK = "could not be built"  # kernels/cpu/native.py's warning
 pytestmark = pytest.mark.slow
 
 CHECK_INSTALL = """
-import logging, sys
+import importlib.metadata, logging, sys
 from pathlib import Path
 import torch
-import engine, kernels
-from kernels.cpu import attention, decode_layer, fused, linear
+import deepinfer, deepinfer.kernels, kernels, transformers
+from deepinfer import LLM, SamplingParams
+from deepinfer.kernels.cpu import attention, decode_layer, fused, linear
 logging.basicConfig(level=logging.WARNING)
 site = Path(sys.argv[1]).resolve()
-for pkg in (engine, kernels):
+for pkg in (deepinfer, kernels, transformers):
     assert Path(pkg.__file__).resolve().is_relative_to(site), pkg.__file__
-csrc = Path(kernels.__file__).parent / "cpu" / "csrc"
+assert Path(kernels.__file__).resolve().parent == site / "kernels"  # Hugging Face's
+assert hasattr(kernels, "get_kernel"), kernels.__file__
+version = tuple(int(x) for x in transformers.__version__.split(".")[:2])
+assert version >= (5, 25), transformers.__version__
+print("top level", importlib.metadata.distribution("deepinfer").read_text("top_level.txt"))
+csrc = Path(deepinfer.kernels.__file__).parent / "cpu" / "csrc"
 print("csrc", sorted(p.name for p in csrc.iterdir()))
 x = torch.zeros(2, 2)
 for op in (linear, fused, attention, decode_layer):
@@ -79,8 +88,11 @@ def test_wheel_installs_prepares_and_serves(tmp_path):
          timings, "pip wheel", cwd=src)
     (wheel,) = (tmp_path / "dist").glob("deepinfer-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"kernels/cpu/csrc/{n}" for n in CSRC} <= names, sorted(names)
-    assert "engine/model_store/prepare.py" in names
+    assert {f"deepinfer/kernels/cpu/csrc/{n}" for n in CSRC} <= names, sorted(names)
+    assert "deepinfer/engine/model_store/prepare.py" in names
+    # Nothing of ours outside `deepinfer` (a top-level `kernels` is Hugging Face's).
+    assert {n.split("/")[0] for n in names} == {"deepinfer", wheel.name[:-4].rsplit("-", 3)[0]
+                                                + ".dist-info"}, sorted(names)
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", venv], timings, "venv")
@@ -91,6 +103,9 @@ def test_wheel_installs_prepares_and_serves(tmp_path):
                      timings, "site").stdout.strip())
     # After the install, so pip never sees the dev environment's (editable) deepinfer.
     (site / "dev-site-packages.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    # What a user of a current transformers has: transformers >= 5.25 requires `kernels`.
+    _run([py, "-m", "pip", "install", "-q", "transformers>=5.25", "kernels"], timings,
+         "pip install transformers kernels")
 
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
@@ -101,6 +116,7 @@ def test_wheel_installs_prepares_and_serves(tmp_path):
     check = _run([py, "-c", CHECK_INSTALL, site], timings, "native builds", cwd=elsewhere,
                  env=env)
     assert f"csrc {CSRC}" in check.stdout and "native ops built" in check.stdout, check.stdout
+    assert "top level deepinfer\n" in check.stdout, check.stdout
     assert FALLBACK not in check.stderr, check.stderr
 
     prep = _run([bin_dir / "deepinfer", "prepare-model"], timings, "prepare-model",

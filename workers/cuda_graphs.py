@@ -23,8 +23,8 @@ import logging
 import torch
 from torch import nn
 
-from workers.attention.metadata import AttentionMetadata
-from workers.attention.triton_backend import TritonMetadata
+from deepinfer.workers.attention.metadata import AttentionMetadata
+from deepinfer.workers.attention.triton_backend import TritonMetadata
 
 log = logging.getLogger("deepinfer.worker")
 
@@ -94,7 +94,7 @@ class DecodeGraphs:
     @staticmethod
     def supported(model: nn.Module, world: int) -> bool:
         """The Llama family's attention and MLP in every layer, one rank."""
-        from workers.models.llama import MLP, Attention
+        from deepinfer.workers.models.llama import MLP, Attention
 
         layers = getattr(getattr(model, "model", None), "layers", None)
         return world == 1 and layers is not None and all(

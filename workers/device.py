@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.config import EngineConfig, ModelConfigError
+from deepinfer.engine.config import EngineConfig, ModelConfigError
 
 
 class DeviceError(ModelConfigError):

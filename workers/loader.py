@@ -15,17 +15,17 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from engine.model_config import ModelConfig, ModelConfigError
-from engine.model_store.gguf_model import gguf_source
-from workers.attention import AttentionBackend, select_backend
-from workers.layers.checkpoint_tensor import LazyTensor, materialize
-from workers.layers.linear import Linear, MergedLinear, resolve_weight_copies
-from workers.layers.moe import FusedExperts
-from workers.layers.vocab_parallel import VocabParallelEmbedding
-from workers.models import model_class
-from workers.quantization.fp8 import from_checkpoint
-from workers.quantization.gguf import gguf_weights
-from workers.quantization.weight import QuantizedWeight
+from deepinfer.engine.model_config import ModelConfig, ModelConfigError
+from deepinfer.engine.model_store.gguf_model import gguf_source
+from deepinfer.workers.attention import AttentionBackend, select_backend
+from deepinfer.workers.layers.checkpoint_tensor import LazyTensor, materialize
+from deepinfer.workers.layers.linear import Linear, MergedLinear, resolve_weight_copies
+from deepinfer.workers.layers.moe import FusedExperts
+from deepinfer.workers.layers.vocab_parallel import VocabParallelEmbedding
+from deepinfer.workers.models import model_class
+from deepinfer.workers.quantization.fp8 import from_checkpoint
+from deepinfer.workers.quantization.gguf import gguf_weights
+from deepinfer.workers.quantization.weight import QuantizedWeight
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # One expert's weight, as HF checkpoints store them: (experts module, expert, projection).

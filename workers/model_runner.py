@@ -14,9 +14,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine.config import EngineConfig
-from engine.kv_spec import FULL, KV, LayerKVSpec
-from engine.protocol import (
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.kv_layout import KV, LayerKVLayout
+from deepinfer.engine.protocol import (
     CompileGrammar,
     SampledLogprobs,
     StepPlan,
@@ -24,19 +24,19 @@ from engine.protocol import (
     pack_ids,
     unpack_ids,
 )
-from workers.attention import AttentionMetadata, select_backend
-from workers.attention.triton_backend import TritonAttention
-from workers.cuda_graphs import DecodeGraphs, capture_sizes
-from workers.distributed.parallel_state import group, tp
-from workers.kv_connector import HostTierWorker
-from workers.loader import DTYPES, load_model
-from workers.sample.rejection import Verification, verify
-from workers.sample.sampler import Sampler, SamplingState
-from workers.spec_decode.base import Draft, DraftRequest, ObservedSeq, Proposer, StepInput
-from workers.spec_decode.factory import build_proposer
-from workers.step_batch import SeqRows, StepBatch, build_batch, resolve_inputs
-from workers.structured.compile_service import GrammarCompileService
-from workers.structured.masks import MaskedRows, accept, allowed_drafts, fill_bitmask
+from deepinfer.workers.attention import AttentionMetadata, select_backend
+from deepinfer.workers.attention.triton_backend import TritonAttention
+from deepinfer.workers.cuda_graphs import DecodeGraphs, capture_sizes
+from deepinfer.workers.distributed.parallel_state import group, tp
+from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
+from deepinfer.workers.loader import DTYPES, load_model
+from deepinfer.workers.sample.rejection import Verification, verify
+from deepinfer.workers.sample.sampler import Sampler, SamplingState
+from deepinfer.workers.spec_decode.base import Draft, DraftRequest, ObservedSeq, Proposer, StepInput
+from deepinfer.workers.spec_decode.factory import build_proposer
+from deepinfer.workers.step_batch import SeqRows, StepBatch, build_batch, resolve_inputs
+from deepinfer.workers.structured.compile_service import GrammarCompileService
+from deepinfer.workers.structured.masks import MaskedRows, accept, allowed_drafts, fill_bitmask
 
 log = logging.getLogger("deepinfer.worker")
 
@@ -50,9 +50,12 @@ def rows_of(t: torch.Tensor, index: list[int]) -> torch.Tensor:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, device: torch.device | None = None) -> None:
+    def __init__(self, config: EngineConfig, device: torch.device | None = None,
+                 transport=None) -> None:
         """`device`: where the model, the KV cache and the forward live (workers/device.py;
-        default the CPU). Sampling stays on the host: a GPU's logits come over once a step."""
+        default the CPU). Sampling stays on the host: a GPU's logits come over once a step.
+        `transport`: (zmq context, rank, where reports go) for connectors that talk to other
+        servers (a worker process has them)."""
         self.config = config
         self.device = device = device or torch.device("cpu")
         dtype = DTYPES[config.dtype]
@@ -61,34 +64,28 @@ class ModelRunner:
         self.model = load_model(config.resolved_model_dir(), config.dtype,
                                 config.cpu_linear_weights, self.attention,
                                 quantization=config.quantization, device=device)
-        spec = config.kv_cache_spec()
-        self.groups = [g.kind for g in spec.groups()]
-        self.windows = [g.window for g in spec.groups()]
+        layout = config.kv_cache_layout()
+        self.groups = [g.kind for g in layout.groups()]
+        self.windows = [g.window for g in layout.groups()]
         self.block_size = config.block_size
         self.num_blocks = config.kv_blocks()
-        # One (K, V) pair per layer, shaped by its spec; a slot is block * block_size + offset.
+        # One (K, V) pair per layer, shaped by its layout; a slot is block * block_size + offset.
         self.tp = tp()  # tensor parallelism: this rank holds its share of the KV heads
         self.group = group()  # rank 0 samples for every rank
         kv_dtype = DTYPES[config.kv_dtype()]  # --kv-cache-dtype (auto: the model's)
         self.kv_caches = [self._kv_pair(self.num_blocks, layer, kv_dtype)
-                          for layer in spec.layers]
-        # The KV connector's worker half: the host tier (prefix-cache blocks evicted from the
-        # device), full-attention entries only.
-        host_blocks = config.host_kv_blocks()
-        full = spec.layers_of(FULL)
-        self.connector = HostTierWorker(
-            [self.kv_caches[i] for i in full],
-            [self._kv_pair(host_blocks, spec.layers[i], kv_dtype, host=True) for i in full]
-        ) if host_blocks else None
+                          for layer in layout.layers]
         self.graphs = self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
         self.proposer: Proposer | None = build_proposer(config, self.sampler)
         self.last_hidden: dict[str, torch.Tensor] = {}  # for proposers that read it
         self._grammars: GrammarCompileService | None = None  # with the first structured request
-        # Prefill/decode disaggregation: the transfer connector's worker half, set by the
-        # worker process (workers/kv_transfer/worker.py).
-        self.transfer = None
+        # The KV connectors' worker halves (workers/kv_connectors): the host tier copies a
+        # proposer's own cache beside the target's.
+        others = [self.proposer.copy_blocks] if self.proposer is not None else []
+        self.connectors: list[WorkerConnector] = build_worker_connectors(
+            config, self.kv_caches, others, transport)
 
     def _decode_graphs(self) -> DecodeGraphs | None:
         """CUDA graphs of decode-only steps, where the forward can be one (workers/cuda_graphs.py);
@@ -115,7 +112,7 @@ class ModelRunner:
             config, info = self.config, self.config.model_config()
 
             def backend():  # xgrammar (and transformers) load in the compile thread
-                from workers.structured.xgrammar_backend import XGrammarBackend
+                from deepinfer.workers.structured.xgrammar_backend import XGrammarBackend
 
                 return XGrammarBackend.for_model(config.resolved_model_dir(), info.vocab_size,
                                                  list(info.eos_token_ids))
@@ -128,25 +125,21 @@ class ModelRunner:
         """Start compiling a request's grammar off the step loop; `on_ready` follows."""
         self.grammars.submit(msg.request_id, msg.grammar, on_ready)
 
-    def _kv_pair(self, blocks: int, layer: LayerKVSpec, dtype: torch.dtype, host: bool = False
+    def _kv_pair(self, blocks: int, layer: LayerKVLayout, dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's cache on the device, or (`host`) the host tier's: pinned beside a GPU
-        (page-locked memory is what the GPU copies to and from directly)."""
+        """One layer's cache on the device (this rank's share of the KV heads)."""
         k, v = layer.entry_shapes()
         if layer.entry == KV and self.tp.world > 1:
             heads = self.tp.kv_heads(layer.num_kv_heads)[1]
             k, v = (heads, k[1]), (heads, v[1])
-        on_gpu = self.device.type == "cuda"
-        where = {"device": "cpu", "pin_memory": on_gpu} if host else {"device": self.device}
-        return (torch.zeros((blocks, self.block_size, *k), dtype=dtype, **where),
-                torch.zeros((blocks, self.block_size, *v), dtype=dtype, **where))
+        return (torch.zeros((blocks, self.block_size, *k), dtype=dtype, device=self.device),
+                torch.zeros((blocks, self.block_size, *v), dtype=dtype, device=self.device))
 
     def _update_states(self, plan: StepPlan) -> None:
-        if self.connector is not None:
-            self.connector.before_forward(
-                plan, self.proposer.copy_blocks if self.proposer is not None else None)
-        if self.transfer is not None:
-            self.transfer.before_forward(plan)
+        for connector in self.connectors:
+            entry = plan.connectors.get(connector.name)
+            if entry is not None:
+                connector.before_forward(entry)
         for rid in plan.finished:
             self.states.pop(rid, None)
             self.last_hidden.pop(rid, None)

@@ -13,11 +13,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.model_config import FULL, SLIDING
-from engine.protocol import ScheduledSeq, StepPlan, unpack_ids
-from workers.attention import SeqSlice
-from workers.sample.sampler import SamplingState
-from workers.spec_decode.base import Draft, StepInput
+from deepinfer.engine.model_config import FULL, SLIDING
+from deepinfer.engine.protocol import ScheduledSeq, StepPlan, unpack_ids
+from deepinfer.workers.attention import SeqSlice
+from deepinfer.workers.sample.sampler import SamplingState
+from deepinfer.workers.spec_decode.base import Draft, StepInput
 
 
 @dataclass

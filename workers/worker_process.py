@@ -14,10 +14,10 @@ import threading
 import msgspec
 import torch
 
-from engine import envs
-from engine.protocol import CompileGrammar, GrammarReady, Shutdown, WorkerInbound
-from engine.runtime.ipc import plan_receiver, push
-from engine.runtime.process_entry import ChildContext
+from deepinfer.engine import envs
+from deepinfer.engine.protocol import CompileGrammar, GrammarReady, Shutdown, WorkerInbound
+from deepinfer.engine.runtime.ipc import plan_receiver, push
+from deepinfer.engine.runtime.process_entry import ChildContext
 
 log = logging.getLogger("deepinfer.worker")
 
@@ -31,9 +31,9 @@ def _threads(ctx: ChildContext) -> int:
 
 
 def main(ctx: ChildContext) -> None:
-    from workers.device import resolve_device
-    from workers.distributed.parallel_state import init_tensor_parallel
-    from workers.model_runner import ModelRunner
+    from deepinfer.workers.device import resolve_device
+    from deepinfer.workers.distributed.parallel_state import init_tensor_parallel
+    from deepinfer.workers.model_runner import ModelRunner
 
     torch.set_num_threads(_threads(ctx))
     device = resolve_device(ctx.config, ctx.rank)
@@ -41,20 +41,16 @@ def main(ctx: ChildContext) -> None:
         torch.cuda.set_device(device)
     init_tensor_parallel(ctx.rank, ctx.config.tensor_parallel_size, ctx.endpoints.dist_init,
                          ctx.config.enable_expert_parallel, device)
-    runner = ModelRunner(ctx.config, device)
+    runner = ModelRunner(ctx.config, device,
+                         transport=(ctx.zmq, ctx.rank, ctx.endpoints.scheduler_in))
     inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank],
                                envs.cluster_secret())
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
     decode = msgspec.msgpack.Decoder(WorkerInbound).decode
     encode = msgspec.msgpack.Encoder().encode
     info = {"num_kv_blocks": str(runner.num_blocks)}
-    if ctx.config.disaggregation_mode != "none":
-        from workers.kv_transfer.worker import KVTransferWorker
-
-        runner.transfer = KVTransferWorker(ctx.config, runner.kv_caches, ctx.zmq, ctx.rank,
-                                           ctx.endpoints.scheduler_in)
-        if runner.transfer.address:
-            info["kv_transfer"] = runner.transfer.address
+    for connector in runner.connectors:
+        info |= connector.ready_info()
     log.info("rank %d ready on %s: %d KV blocks (%s), %d threads", ctx.rank, device,
              runner.num_blocks, ctx.config.kv_dtype(), torch.get_num_threads())
     ctx.ready(**info)

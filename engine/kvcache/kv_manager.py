@@ -1,6 +1,6 @@
 """KV blocks of every request, per KV group, with the prefix cache on the full-attention group.
 
-Groups (engine/kv_spec.py): full-attention layers keep every block of a request; sliding-window
+Groups (engine/kv_layout.py): full-attention layers keep every block of a request; sliding-window
 layers keep only the blocks their window can still see, so their memory per request is bounded
 by the window W, not by the sequence length. Each group has its own allocator and a request has
 one block table per group (a freed sliding block leaves -1 in its table).
@@ -22,19 +22,21 @@ numerical contract is in the README ("Prefix caching and sliding windows").
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
-from engine.kv_spec import FULL, SLIDING, KVGroup
-from engine.kvcache.block_allocator import BlockAllocator
-from engine.kvcache.connector import KVConnector
-from engine.kvcache.host_tier import HostTier
-from engine.kvcache.radix_cache import RadixCache, Snapshot
-from engine.request import Request
+from deepinfer.engine.kv_layout import FULL, SLIDING, KVGroup
+from deepinfer.engine.kvcache.block_allocator import BlockAllocator
+from deepinfer.engine.kvcache.radix_cache import RadixCache, Snapshot
+from deepinfer.engine.request import Request
+
+if TYPE_CHECKING:  # the connectors build on this module
+    from deepinfer.engine.kvcache.connectors.base import KVConnector
 
 
 class KVManager:
     def __init__(
         self, num_blocks: int, block_size: int, groups: list[KVGroup],
-        prefix_caching: bool = True, replay_tokens: int | None = None, host_blocks: int = 0,
+        prefix_caching: bool = True, replay_tokens: int | None = None,
         snapshot_interval: int = 0,
     ) -> None:
         kinds = [g.kind for g in groups]
@@ -68,11 +70,18 @@ class KVManager:
         self.replayed_tokens = 0
         self.snapshot_hits = 0  # hits that resumed the sliding layers from a snapshot
         self._evictable, self._evictable_at = 0, float("-inf")
-        # The KV connector (engine/kvcache/connector.py): the host tier, when configured.
-        self.connector: KVConnector | None = (HostTier(host_blocks, block_size)
-                                              if host_blocks and self.cache is not None else None)
-        if self.connector is not None:
-            self.cache.on_evict = self.connector.on_evict
+        # KV connectors (engine/kvcache/connectors): offered evicted blocks, asked to continue
+        # prefix hits, in order (`attach`).
+        self.connectors: list[KVConnector] = []
+
+    def attach(self, connectors: list[KVConnector]) -> None:
+        self.connectors = list(connectors)
+        if self.cache is not None:
+            self.cache.on_evict = self._on_evict
+
+    def _on_evict(self, tokens, device_block: int) -> None:
+        for c in self.connectors:
+            c.on_evict(tokens, device_block)
 
     # ------------------------------------------------------------------ capacity
 
@@ -175,8 +184,8 @@ class KVManager:
         req.cache_node = match.node
         hit = match.num_tokens
         req.tables[self.full] = list(match.blocks)
-        if self.connector is not None:
-            hit += self._load_from_connector(req, tokens, hit)
+        for connector in self.connectors:  # each continues the hit where the last left off
+            hit += self._load_from_connector(connector, req, tokens, hit)
         req.hit_tokens = hit
         start = hit
         req.window_exact, req.snapshot_hit = True, False
@@ -249,13 +258,10 @@ class KVManager:
                 return pos, snap
         return None
 
-    @property
-    def host(self) -> HostTier | None:
-        return self.connector if isinstance(self.connector, HostTier) else None
-
-    def _load_from_connector(self, req: Request, tokens, hit: int) -> int:
-        """Continue a radix hit from the connector's blocks; returns the extra cached tokens."""
-        found = self.connector.match(tokens, hit, req.num_tokens - 1)  # pinned from here on
+    def _load_from_connector(self, connector: KVConnector, req: Request, tokens, hit: int
+                             ) -> int:
+        """Continue a hit from the connector's blocks; returns the extra cached tokens."""
+        found = connector.match(tokens, hit, req.num_tokens - 1)  # pinned from here on
         allocator = self.allocators[self.full]
         short = len(found) - allocator.num_free
         if short > 0:
@@ -265,19 +271,16 @@ class KVManager:
             return 0
         device = allocator.allocate(len(found))
         for h, d in zip(found, device):
-            self.connector.plan_load(h, d)
+            connector.plan_load(h, d)
         req.tables[self.full] += device
         self.cache.hits_tokens += len(found) * self.block_size
         return len(found) * self.block_size
 
-    def take_copies(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
-        """The connector's copies (saves, loads) the next plan must carry."""
-        return self.connector.take_plan() if self.connector is not None else ([], [])
-
     def unmatch_prefix(self, req: Request) -> None:
         """Undo match_prefix for a request that could not be admitted after all."""
-        if self.connector is not None and self.full is not None:
-            self.connector.cancel_loads(req.tables[self.full])
+        if self.full is not None:
+            for connector in self.connectors:
+                connector.cancel_loads(req.tables[self.full])
         if self.cache is not None and req.cache_node is not None:
             self.cache.hits_tokens -= req.hit_tokens  # it will be looked up again
             self.cache.queries_tokens -= req.num_tokens

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.kvcache.block_allocator import BlockAllocator
+from deepinfer.engine.kvcache.block_allocator import BlockAllocator
 
 BlockKey = tuple[int, ...]  # the token ids of one full block
 Tokens = np.ndarray | Sequence[int]

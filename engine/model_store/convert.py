@@ -15,10 +15,10 @@ from gguf import GGUFReader
 from safetensors.numpy import save_file
 from tqdm import tqdm
 
-from engine.model_store.gguf_config import generation_config, model_config
-from engine.model_store.gguf_metadata import read_metadata
-from engine.model_store.gguf_tokenizer import write_tokenizer
-from engine.model_store.gguf_weights import hf_tensors, tensor_count
+from deepinfer.engine.model_store.gguf_config import generation_config, model_config
+from deepinfer.engine.model_store.gguf_metadata import read_metadata
+from deepinfer.engine.model_store.gguf_tokenizer import write_tokenizer
+from deepinfer.engine.model_store.gguf_weights import hf_tensors, tensor_count
 
 
 def _write_json(path: Path, value: dict) -> None:

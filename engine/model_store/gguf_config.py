@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.errors import ModelPrepareError
 
 # GGUF general.architecture -> (HF architectures entry, HF model_type)
 _ARCHITECTURES = {"llama": ("LlamaForCausalLM", "llama"),

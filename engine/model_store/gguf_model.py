@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from engine import envs
-from engine.model_store.errors import ModelPrepareError
+from deepinfer.engine import envs
+from deepinfer.engine.model_store.errors import ModelPrepareError
 
 SOURCE_FILE = "gguf.json"  # {"path": the GGUF this directory stands for}
 # GGML types the workers serve (workers/quantization/gguf.py); checked when the sidecar is made,
@@ -85,9 +85,9 @@ def _write_json(path: Path, value: dict[str, Any]) -> None:
 def _write_sidecar(gguf_path: Path, out: Path) -> None:
     from gguf import GGUFReader
 
-    from engine.model_store.gguf_config import generation_config, model_config
-    from engine.model_store.gguf_metadata import read_metadata
-    from engine.model_store.gguf_tokenizer import write_tokenizer
+    from deepinfer.engine.model_store.gguf_config import generation_config, model_config
+    from deepinfer.engine.model_store.gguf_metadata import read_metadata
+    from deepinfer.engine.model_store.gguf_tokenizer import write_tokenizer
 
     try:
         reader = GGUFReader(str(gguf_path))

@@ -27,7 +27,7 @@ from tokenizers import (
     processors,
 )
 
-from engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.errors import ModelPrepareError
 
 _CONTROL, _USER_DEFINED = 3, 4
 # llama.cpp pre-tokenizer names whose split is GPT-2's own regex (the ByteLevel default), as

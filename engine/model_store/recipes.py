@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.config import DEFAULT_MODEL_NAME
+from deepinfer.engine.config import DEFAULT_MODEL_NAME
 
 
 @dataclass(frozen=True)

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import msgspec
 
-from engine import envs
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
-from engine.model_store.gguf_model import gguf_source, prepare_gguf_model
-from engine.model_store.prepare import prepare
-from engine.model_store.recipes import RECIPES, find_recipe
+from deepinfer.engine import envs
+from deepinfer.engine.config import EngineConfig, ModelConfig, ModelConfigError
+from deepinfer.engine.model_store.gguf_model import gguf_source, prepare_gguf_model
+from deepinfer.engine.model_store.prepare import prepare
+from deepinfer.engine.model_store.recipes import RECIPES, find_recipe
 
 
 def _hint(path: Path) -> str:

@@ -15,8 +15,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine.config import EngineConfig
-from engine.protocol import (
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.protocol import (
     Abort,
     FinishReason,
     GenerateRequest,
@@ -24,8 +24,8 @@ from engine.protocol import (
     RequestOutput,
     SchedulerStats,
 )
-from engine.runtime.ipc import Endpoints
-from engine.runtime.launcher import Launcher
+from deepinfer.engine.runtime.ipc import Endpoints
+from deepinfer.engine.runtime.launcher import Launcher
 
 log = logging.getLogger("deepinfer.client")
 
@@ -64,7 +64,13 @@ class AsyncEngineClient:
     async def start(self, on_failure=None) -> None:
         """Start the engine processes (blocking work runs in a thread) and the output reader."""
         self._loop = asyncio.get_running_loop()
-        await asyncio.to_thread(self.launcher.start)
+        try:
+            await asyncio.to_thread(self.launcher.start)
+        except BaseException:
+            # Nothing will use them: closed now, a context collected later has nothing to wait
+            # for (its term() blocks on open sockets, hanging whoever collects it).
+            self._close()
+            raise
         if self.disaggregation_mode == "prefill":  # one node (checked): every rank reported here
             self.kv_transfer_addresses = [self.launcher.ready_info[f"worker{r}"]["kv_transfer"]
                                           for r in range(self.worker_ranks)]
@@ -130,5 +136,8 @@ class AsyncEngineClient:
             self._reader.cancel()
         # Blocking on purpose (a few seconds at most): at interpreter exit no executor is left.
         self.launcher.shutdown()
+        self._close()
+
+    def _close(self) -> None:
         self._in.close(0)
         self._out.close(0)

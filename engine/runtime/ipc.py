@@ -11,7 +11,7 @@ import msgspec
 import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
-from engine.trust import curve_keys
+from deepinfer.engine.trust import curve_keys
 
 
 class Endpoints(msgspec.Struct, frozen=True):

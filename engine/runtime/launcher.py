@@ -5,10 +5,10 @@ waits on every child's sentinel: if one dies while the engine runs, it reports w
 stops the others and calls `on_failure`. `shutdown()` stops every child within a few seconds
 (SIGTERM, then SIGKILL) and removes the socket directory.
 
-Children import DeepInfer from where the caller did, whatever their working directory: the
-directory holding our packages goes first on their PYTHONPATH (an editable install is found by a
-finder that comes after every sys.path entry, so another distribution's `kernels` package, e.g.
-Hugging Face's, would otherwise win), and the working directory is not put on their path.
+Children run the caller's interpreter with its environment and import DeepInfer as the caller
+did, as the installed `deepinfer` package (every module of ours lives under that one name, so
+no other distribution's package can shadow one); the working directory is not put on their
+path.
 """
 
 from __future__ import annotations
@@ -16,55 +16,36 @@ from __future__ import annotations
 import base64
 import logging
 import os
-import site
 import subprocess
 import sys
-import sysconfig
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import msgspec
 import zmq
 
-from engine.config import EngineConfig
-from engine.protocol import ControlMessage, ProcessFailed, ProcessReady
-from engine.runtime.ipc import Endpoints
-from engine.runtime.process_entry import PACKAGE_ROOT
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.protocol import ControlMessage, ProcessFailed, ProcessReady
+from deepinfer.engine.runtime.ipc import Endpoints
 
 log = logging.getLogger("deepinfer.launcher")
 
-TOKENIZER = "engine.tokenizer.tokenizer_process:main"
-SCHEDULER = "engine.scheduler.scheduler_process:main"
+TOKENIZER = "deepinfer.engine.tokenizer.tokenizer_process:main"
+SCHEDULER = "deepinfer.engine.scheduler.scheduler_process:main"
 # Resolved by name in the child: the engine never imports worker (torch) code itself.
-WORKER = "workers.worker_process:main"
+WORKER = "deepinfer.workers.worker_process:main"
 
 
 class EngineStartupError(RuntimeError):
     pass
 
 
-def _site_dirs() -> set[Path]:
-    dirs = [sysconfig.get_path("purelib"), sysconfig.get_path("platlib")]
-    dirs += getattr(site, "getsitepackages", list)()
-    return {Path(d).resolve() for d in dirs}
-
-
-def child_env() -> dict[str, str]:
-    """The caller's environment, with PACKAGE_ROOT first on PYTHONPATH. Not when it is
-    site-packages itself: that would put all of site-packages before the standard library."""
-    env = dict(os.environ)
-    if PACKAGE_ROOT not in _site_dirs():
-        env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(PACKAGE_ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
 def child_argv(*args: str) -> list[str]:
-    # -P (3.11+): no working directory on sys.path, where a `kernels` folder could shadow ours.
+    # -P (3.11+): no working directory on sys.path, where a folder named like one of our
+    # dependencies (or a checkout's own deepinfer/) could shadow the installed package.
     safe_path = ["-P"] if sys.version_info >= (3, 11) else []
-    return [sys.executable, *safe_path, "-m", "engine.runtime.process_entry", *args]
+    return [sys.executable, *safe_path, "-m", "deepinfer.engine.runtime.process_entry", *args]
 
 
 class Launcher:
@@ -91,10 +72,9 @@ class Launcher:
         children = ([("tokenizer", TOKENIZER, 0), ("scheduler", SCHEDULER, 0)]
                     if self.config.node_rank == 0 else [])
         children += [(f"worker{r}", WORKER, r) for r in self.config.local_ranks()]
-        env = child_env()
         for name, target, rank in children:
             argv = child_argv(name, target, cfg, eps, str(rank), str(os.getpid()))
-            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL, env=env)
+            self.procs[name] = subprocess.Popen(argv, stdin=subprocess.DEVNULL)
         try:
             self._wait_ready(timeout)
         except BaseException:

@@ -10,9 +10,9 @@ from collections.abc import Sequence
 
 import msgspec
 
-from engine import model_store
-from engine.config import EngineConfig
-from engine.protocol import (
+from deepinfer.engine import model_store
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.protocol import (
     ChatMessage,
     FinishReason,
     GenerateRequest,
@@ -21,7 +21,7 @@ from engine.protocol import (
     pack_ids,
     unpack_ids,
 )
-from engine.runtime.async_client import AsyncEngineClient
+from deepinfer.engine.runtime.async_client import AsyncEngineClient
 
 
 class CompletionOutput(msgspec.Struct):

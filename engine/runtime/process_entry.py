@@ -1,8 +1,7 @@
 """What every child process runs first: signals, logging, parent watchdog, failure report.
 
-A failure the user can fix (ModelConfigError: an unsupported architecture, a foreign package
-shadowing ours) is logged as one line and reported to the launcher; anything else is a bug and
-keeps its traceback.
+A failure the user can fix (ModelConfigError: an unsupported architecture) is logged as one
+line and reported to the launcher; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -18,41 +17,14 @@ import sys
 import threading
 import time
 import traceback
-from pathlib import Path
 
 import msgspec
 import zmq
 
-from engine import envs
-from engine.config import EngineConfig, ModelConfigError
-from engine.protocol import ProcessFailed, ProcessReady
-from engine.runtime.ipc import Endpoints
-
-# The directory holding DeepInfer's top-level packages (engine/, frontend/, workers/, kernels/):
-# a checkout, or site-packages. The launcher puts it first on the children's import path.
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
-# The children's packages whose names other distributions also use (Hugging Face's `kernels`).
-_OWN_PACKAGES = ("workers", "kernels")
-
-
-class ForeignPackageError(RuntimeError):
-    """One of DeepInfer's top-level package names resolves to another distribution's package."""
-
-
-def check_own_packages() -> None:
-    """Raise ForeignPackageError (one line) if `workers` or `kernels` would be imported from
-    anywhere but PACKAGE_ROOT. find_spec of a top-level name imports nothing."""
-    for name in _OWN_PACKAGES:
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            continue
-        found = Path(spec.origin).resolve().parent
-        if found != PACKAGE_ROOT / name:
-            raise ForeignPackageError(
-                f"the package {name!r} resolves to {found}, not to DeepInfer's own "
-                f"{PACKAGE_ROOT / name}: another installed distribution uses the same name "
-                f"(e.g. Hugging Face's 'kernels', required by transformers >= 5.25); "
-                f"uninstall it, or remove it from PYTHONPATH")
+from deepinfer.engine import envs
+from deepinfer.engine.config import EngineConfig, ModelConfigError
+from deepinfer.engine.protocol import ProcessFailed, ProcessReady
+from deepinfer.engine.runtime.ipc import Endpoints
 
 
 def setup_logging(name: str) -> None:
@@ -107,14 +79,13 @@ def run_child(
     threading.Thread(target=_watch_parent, args=(parent, endpoints.root), daemon=True).start()
     ctx = ChildContext(name, config, endpoints, rank)
     try:
-        check_own_packages()
         module, func = target.split(":")
         getattr(importlib.import_module(module), func)(ctx)
     except BaseException as exc:  # report why before dying, whatever it was
         if isinstance(exc, SystemExit) and not exc.code:
             raise
         reason = f"{type(exc).__name__}: {exc}"
-        if isinstance(exc, (ModelConfigError, ForeignPackageError)):
+        if isinstance(exc, ModelConfigError):
             logging.getLogger(name).error("%s", reason)  # the user's to fix: no traceback
         else:
             logging.getLogger(name).error("failed:\n%s", traceback.format_exc())

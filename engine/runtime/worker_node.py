@@ -12,9 +12,9 @@ import logging
 import signal
 import threading
 
-from engine.config import EngineConfig
-from engine.runtime.ipc import Endpoints
-from engine.runtime.launcher import Launcher
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.runtime.ipc import Endpoints
+from deepinfer.engine.runtime.launcher import Launcher
 
 log = logging.getLogger("deepinfer.node")
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.kv_spec import FULL, KVGroup
-from engine.kvcache.kv_manager import KVManager
-from engine.kvcache.transfer import KVTransfer
-from engine.protocol import (
+from deepinfer.engine.kv_layout import FULL, KVGroup
+from deepinfer.engine.kvcache.connectors import KVConnector, build_connectors
+from deepinfer.engine.kvcache.kv_manager import KVManager
+from deepinfer.engine.protocol import (
     FinishReason,
     KVTransferDone,
+    KVTransferParams,
     NewRequestInfo,
     SampledLogprobs,
     ScheduledSeq,
@@ -26,9 +27,8 @@ from engine.protocol import (
     pack_ids,
     unpack_ids,
 )
-from engine.request import Request, Status
-from engine.spec.policy import SpecPolicy
-from engine.trust import prompt_digest
+from deepinfer.engine.request import Request, Status
+from deepinfer.engine.spec.policy import SpecPolicy
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ class SchedulerConfig:
     prefill_chunk_size: int = 512
     context_len: int = 4096
     eos_token_ids: tuple[int, ...] = ()
-    kv_groups: tuple[KVGroup, ...] = (KVGroup(FULL),)  # from the model's KV cache spec
+    kv_groups: tuple[KVGroup, ...] = (KVGroup(FULL),)  # from the model's KV cache layout
     prefix_caching: bool = True
     swa_replay_tokens: int | None = None  # None: the window W
     swa_snapshot_interval: int = 0  # window snapshots every this many prompt tokens (0: none)
@@ -69,7 +69,7 @@ class Scheduler:
         self.config = config
         self.kv = KVManager(config.num_blocks, config.block_size, list(config.kv_groups),
                             config.prefix_caching, config.swa_replay_tokens,
-                            config.host_blocks, config.swa_snapshot_interval)
+                            config.swa_snapshot_interval)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -86,9 +86,12 @@ class Scheduler:
         self.allocator = self.kv.allocators[0]  # the full group's pool (tests, stats)
         self.spec = SpecPolicy(config.num_speculative_tokens,
                                config.speculative_disable_by_batch_size)
-        # Prefill/decode disaggregation (engine/kvcache/transfer.py): held and pulled KV.
-        self.transfer = KVTransfer(self.kv, config.worker_ranks, config.kv_hold_timeout,
-                                   kv_dtype=config.kv_dtype)
+        # KV held or fetched outside the device cache (engine/kvcache/connectors): the scheduler
+        # and the KV manager talk to them only through the seam.
+        self.connectors: list[KVConnector] = build_connectors(
+            self.kv, config.host_blocks, config.worker_ranks, config.kv_hold_timeout,
+            config.kv_dtype, config.vocab_size)
+        self.kv.attach(self.connectors)
 
     # ------------------------------------------------------------------ requests in / out
 
@@ -103,11 +106,10 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens but at most {self.max_len - 1} fit "
                 "(context length and KV cache size)",
             )
-        remote = msg.params.remote_prefill
-        if remote is not None:
-            why = self._check_remote(remote, prompt)
+        for connector in self.connectors:
+            why = connector.check(prompt, msg.params)
             if why is not None:
-                return self._reject(msg.request_id, f"kv_transfer_params: {why}")
+                return self._reject(msg.request_id, why)
         req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
                       len(self.config.kv_groups))
         self._arrivals += 1
@@ -132,35 +134,6 @@ class Scheduler:
         self.waiting.append(req)
         return TokenDelta(request_id, b"")
 
-    def _check_remote(self, remote, prompt) -> str | None:
-        """Why a prefill server's KV cannot continue this request here (None: it can). Its
-        blocks enter this server's prefix cache under this prompt's tokens: they must be the
-        ones the prefill server computed them for."""
-        num_prompt = len(prompt)
-        if remote.num_tokens != num_prompt:
-            return (f"the prefill server computed {remote.num_tokens} prompt tokens, this "
-                    f"server's prompt has {num_prompt} (a different model or tokenizer?)")
-        if remote.prompt_digest != prompt_digest(prompt):
-            return "the prefill server computed another prompt than this request's"
-        if not 0 <= remote.first_token < self.config.vocab_size:
-            return f"first_token {remote.first_token} is outside the vocabulary"
-        if remote.block_size != self.config.block_size:
-            return (f"block_size {remote.block_size} differs from this server's "
-                    f"{self.config.block_size}")
-        if remote.kv_dtype and remote.kv_dtype != self.config.kv_dtype:
-            return (f"the prefill server's KV cache holds {remote.kv_dtype}, this server's "
-                    f"{self.config.kv_dtype} (--kv-cache-dtype)")
-        if len(remote.block_ids) != len(self.config.kv_groups):
-            return (f"{len(remote.block_ids)} KV groups, this model has "
-                    f"{len(self.config.kv_groups)}")
-        end = self.allocator.blocks_for(num_prompt)
-        window = self.kv.remote_window_start(num_prompt)
-        for g, table in enumerate(remote.block_ids):
-            start = window if g == self.kv.sliding else 0
-            if len(table) < end or any(b < 0 for b in table[start:end]):
-                return f"the prefill server no longer holds every block of KV group {g}"
-        return None
-
     @staticmethod
     def _reject(request_id: str, why: str) -> TokenDelta:
         return TokenDelta(request_id, b"", finish_reason=FinishReason.ERROR, error=why)
@@ -176,58 +149,71 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is not None:
                 self._finish(req, reason)
-            else:  # a prefill whose KV waits for a decode server: its client is gone
-                self.transfer.drop(rid)
+            else:  # ended here, but a connector may still keep its KV (for a decode server)
+                for connector in self.connectors:
+                    connector.abort(rid)
 
     def _finish(self, req: Request, reason: FinishReason,
-                logprobs: SampledLogprobs | None = None) -> TokenDelta | None:
-        """End a request. A prefill for a decode server (stopped after its first token, which
-        `logprobs` describes) keeps its blocks: returns where they are, for its last delta."""
-        held = None
-        if req.status == Status.RUNNING:
+                logprobs: SampledLogprobs | None = None) -> KVTransferParams | None:
+        """End a request; its blocks are freed unless a connector keeps them (a prefill for a
+        decode server, stopped after its first token, which `logprobs` describes; a request
+        whose KV is still arriving). Returns what a connector says of them, for its last
+        delta."""
+        status = req.status
+        if status == Status.RUNNING:
             self.running.remove(req)
-        elif req.status == Status.WAITING:
+        elif status == Status.WAITING:
             self.waiting.remove(req)
-            if req.params.remote_prefill is not None and not req.output_ids:
-                self.transfer.abandon(req)  # its prompt's KV waits on a prefill server
-        elif req.status == Status.RECEIVING:
-            self.transfer.abort(req.request_id)  # its blocks go once the ranks stop writing
         req.status = Status.FINISHED
         req.finish_reason = reason
         if reason != FinishReason.ABORT:
             self.kv.cache_request(req)
-        if reason == FinishReason.LENGTH and req.params.remote_decode and req.tables[0]:
-            held = self.transfer.hold(req, logprobs)
-        elif req.request_id not in self.transfer.receiving:
+        kept, said = False, None
+        for connector in self.connectors:
+            keeps, params = connector.finished(req, status, logprobs)
+            kept, said = kept or keeps, said or params
+        if not kept:
             self.kv.release(req)
         del self.requests[req.request_id]
         if req.sent_to_workers:
             self._finished_for_workers.append(req.request_id)
-        return held
+        return said
 
-    def kv_transfer_done(self, msg: KVTransferDone) -> TokenDelta | None:
-        """A rank's KV-transfer report: the decode side is done with held blocks (prefill), or
-        a pull ended (decode: the request runs from its first token, or fails)."""
-        self.transfer.confirm(msg)
-        done = self.transfer.received(msg)
-        if done is None:
+    def connector_report(self, msg: KVTransferDone) -> TokenDelta | None:
+        """A worker rank's report on a connector's work: a request whose KV arrived from
+        outside runs on from the tokens it came with, or fails."""
+        for connector in self.connectors:
+            outcome = connector.report(msg)
+            if outcome is not None:
+                break
+        else:
             return None
-        req, error, aborted = done
-        if aborted:
-            return None
-        if error is not None:
+        req = outcome.req
+        if outcome.error is not None:
             del self.requests[req.request_id]
-            return self._reject(req.request_id, f"KV transfer failed: {error}")
-        remote = req.params.remote_prefill
+            return self._reject(req.request_id, outcome.error)
         req.status = Status.RUNNING
         self.running.append(req)
-        kept, reason = self._append(req, [remote.first_token])
-        delta = TokenDelta(req.request_id, pack_ids(req.output_ids),
-                           [remote.first_logprobs] if remote.first_logprobs else [], reason,
-                           prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0)
+        kept, reason = self._append(req, outcome.tokens)
+        delta = TokenDelta(req.request_id, pack_ids(req.output_ids), outcome.logprobs[:kept],
+                           reason, prompt_tokens=req.num_prompt,
+                           cached_tokens=req.cached_tokens or 0)
         if reason is not None:
             self._finish(req, reason)
         return delta
+
+    def has_connector_work(self) -> bool:
+        """A connector has work for the workers (a plan goes out for it alone)."""
+        return any(c.has_plan() for c in self.connectors)
+
+    def connector_deadline(self) -> float | None:
+        """When a connector next lets go of something that waited too long."""
+        return min((d for c in self.connectors if (d := c.next_deadline()) is not None),
+                   default=None)
+
+    def expire(self) -> None:
+        for connector in self.connectors:
+            connector.expire()
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -254,7 +240,7 @@ class Scheduler:
 
 
     def schedule(self) -> ScheduledStep | None:
-        self.transfer.expire()  # held KV no decode server came for
+        self.expire()  # e.g. held KV no decode server came for
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         chosen: list[tuple[Request, int, int]] = []  # (request, tokens, draft slots)
@@ -289,10 +275,10 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token in flight: recompute once it is known
-            if req.params.remote_prefill is not None and not req.output_ids:
-                # Its prompt's KV is on a prefill server: pull it, compute nothing now.
-                if not self.transfer.admit(req):
-                    break
+            outside = self._admit_from_connector(req)
+            if outside is False:
+                break
+            if outside:  # its KV comes from outside: compute nothing now
                 self.waiting.popleft()
                 req.cached_tokens = min(req.hit_tokens, req.num_prompt)
                 req.status = Status.RECEIVING
@@ -311,9 +297,18 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, 0))
             budget -= n
-        if not chosen and not self.transfer.has_plan():
+        if not chosen and not self.has_connector_work():
             return None
         return self._build_plan(chosen)
+
+    def _admit_from_connector(self, req: Request) -> bool | None:
+        """A connector's admission of a request whose KV comes from outside (see
+        KVConnector.admit); None when none takes it."""
+        for connector in self.connectors:
+            admitted = connector.admit(req)
+            if admitted is not None:
+                return admitted
+        return None
 
     def _build_plan(self, chosen: list[tuple[Request, int, int]]) -> ScheduledStep:
         self._step_id += 1
@@ -346,14 +341,11 @@ class Scheduler:
                 self.prompt_tokens_total += min(n, req.num_prompt - start)
             step.plan.seqs.append(seq)
             step.scheduled.append((req, seq))
-        swap_out, swap_in = self.kv.take_copies()
-        if swap_out:
-            step.plan.swap_out = pack_ids(swap_out)
-        if swap_in:
-            step.plan.swap_in = pack_ids(swap_in)
-        plan = step.plan
-        plan.kv_pulls, cancels, plan.kv_released, plan.kv_held = self.transfer.take_plan()
-        step.plan.finished = self._finished_for_workers + cancels
+        for connector in self.connectors:
+            entry = connector.plan_entry()
+            if entry is not None:
+                step.plan.connectors[connector.name] = entry
+        step.plan.finished = self._finished_for_workers
         self._finished_for_workers = []
         return step
 
@@ -405,7 +397,7 @@ class Scheduler:
         return len(new), None
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(
+        stats = SchedulerStats(
             num_running=len(self.running),
             num_waiting=len(self.waiting) + len(self.compiling),
             kv_blocks_total=self.kv.num_total(),
@@ -418,15 +410,6 @@ class Scheduler:
             replayed_tokens=self.kv.replayed_tokens,
             swa_snapshot_hits=self.kv.snapshot_hits,
             swa_snapshots=self.kv.cache.num_snapshots if self.kv.cache else 0,
-            host_blocks_used=self.kv.host.num_used if self.kv.host else 0,
-            host_blocks_out=self.kv.host.blocks_out if self.kv.host else 0,
-            host_blocks_in=self.kv.host.blocks_in if self.kv.host else 0,
-            kv_transfer_blocks=self.transfer.counters.blocks,
-            kv_transfer_bytes=self.transfer.counters.bytes,
-            kv_transfer_count=self.transfer.counters.count,
-            kv_transfer_seconds=self.transfer.counters.seconds,
-            kv_transfer_buckets=list(self.transfer.counters.buckets),
-            kv_transfers_pending=self.transfer.pending,
             num_preemptions=self.num_preemptions,
             num_steps=self._step_id,
             prompt_tokens_total=self.prompt_tokens_total,
@@ -437,3 +420,6 @@ class Scheduler:
             spec_drafts_by_position=list(self.spec.drafts_by_position),
             spec_accepted_by_position=list(self.spec.accepted_by_position),
         )
+        for connector in self.connectors:
+            connector.fill_stats(stats)
+        return stats

@@ -16,8 +16,8 @@ import time
 import msgspec
 import zmq
 
-from engine import envs
-from engine.protocol import (
+from deepinfer.engine import envs
+from deepinfer.engine.protocol import (
     Abort,
     CompileGrammar,
     GrammarReady,
@@ -28,9 +28,9 @@ from engine.protocol import (
     TokenBatch,
     TokenizedRequest,
 )
-from engine.runtime.ipc import plan_sender, pull, push
-from engine.runtime.process_entry import ChildContext
-from engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from deepinfer.engine.runtime.ipc import plan_sender, pull, push
+from deepinfer.engine.runtime.process_entry import ChildContext
+from deepinfer.engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 
 log = logging.getLogger("deepinfer.scheduler")
 
@@ -47,7 +47,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         prefill_chunk_size=cfg.prefill_chunk_size,
         context_len=cfg.context_len(),
         eos_token_ids=model.eos_token_ids,
-        kv_groups=model.kv_cache_spec().groups(),
+        kv_groups=model.kv_cache_layout().groups(),
         prefix_caching=cfg.enable_prefix_caching,
         swa_replay_tokens=cfg.swa_replay_tokens(),
         swa_snapshot_interval=cfg.swa_snapshot_tokens(),
@@ -82,7 +82,7 @@ class SchedulerLoop:
             # Idle: nothing in flight, to run, or to tell the ranks (a new hold of a prompt's
             # KV must reach them before a decode server asks for it).
             idle = (in_flight is None and not self.scheduler.has_work()
-                    and not self.scheduler.transfer.has_plan())
+                    and not self.scheduler.has_connector_work())
             self._handle(self._drain(block=idle and not self.pending))
             if in_flight is not None and (in_flight.speculative
                                           or self.scheduler.wants_speculation()):
@@ -116,11 +116,11 @@ class SchedulerLoop:
 
     def _wait_message(self) -> list:
         """The next message; none when a held prompt's KV times out first (prefill side)."""
-        deadline = self.scheduler.transfer.next_deadline()
+        deadline = self.scheduler.connector_deadline()
         if deadline is not None:
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000)) + 1
             if not self.inbound.poll(timeout_ms):
-                self.scheduler.transfer.expire()
+                self.scheduler.expire()
                 self.to_tokenizer.send(self.encode(TokenBatch([], self._stats())))
                 return []
         return [self.decode(self.inbound.recv())]
@@ -145,7 +145,7 @@ class SchedulerLoop:
             elif isinstance(msg, StepResult):
                 self.results[msg.step_id] = msg
             elif isinstance(msg, KVTransferDone):
-                delta = self.scheduler.kv_transfer_done(msg)
+                delta = self.scheduler.connector_report(msg)
                 if delta is not None:
                     deltas.append(delta)
         # Always report: rejections, and freed blocks after aborts, show up right away.

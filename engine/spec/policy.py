@@ -17,7 +17,7 @@ returning 1..k+1 new tokens. This module holds the decisions and the counters:
 
 from __future__ import annotations
 
-from engine.request import Request
+from deepinfer.engine.request import Request
 
 MAX_BACKOFF = 16
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tokenizers.decoders import DecodeStream
 
-from engine.tokenizer.tokenizer import Tokenizer
+from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 
 
 class IncrementalDetokenizer:

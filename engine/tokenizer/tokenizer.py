@@ -10,8 +10,8 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.protocol import ChatMessage
-from engine.tokenizer.tool_prompt import hermes_messages, renders_tools
+from deepinfer.engine.protocol import ChatMessage
+from deepinfer.engine.tokenizer.tool_prompt import hermes_messages, renders_tools
 
 
 def _token_text(value) -> str | None:

@@ -12,7 +12,7 @@ import time
 import msgspec
 import zmq
 
-from engine.protocol import (
+from deepinfer.engine.protocol import (
     Abort,
     FinishReason,
     GenerateRequest,
@@ -26,10 +26,10 @@ from engine.protocol import (
     pack_ids,
     unpack_ids,
 )
-from engine.runtime.ipc import pull, push
-from engine.runtime.process_entry import ChildContext
-from engine.tokenizer.detokenizer import IncrementalDetokenizer
-from engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer, chat_dict
+from deepinfer.engine.runtime.ipc import pull, push
+from deepinfer.engine.runtime.process_entry import ChildContext
+from deepinfer.engine.tokenizer.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer, chat_dict
 
 log = logging.getLogger("deepinfer.tokenizer")
 

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.bench.datasets import BenchRequest
+from deepinfer.frontend.bench.datasets import BenchRequest
 
 
 @dataclass

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from frontend.bench.grounded_prompts import GROUNDED_PROMPTS
+from deepinfer.frontend.bench.grounded_prompts import GROUNDED_PROMPTS
 
 WORDS = (
     "the of and to in is was for on that with as by at from his her are this be it an or had "

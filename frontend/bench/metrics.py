@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from frontend.bench.client import RequestResult
+from deepinfer.frontend.bench.client import RequestResult
 
 PERCENTILES = (50, 90, 99)
 SLO_METRICS = ("ttft", "tpot", "e2el")

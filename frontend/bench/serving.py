@@ -15,15 +15,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from frontend.bench.client import RequestResult, payload, send
-from frontend.bench.datasets import (
+from deepinfer.frontend.bench.client import RequestResult, payload, send
+from deepinfer.frontend.bench.datasets import (
     BenchRequest,
     input_grounded_requests,
     random_requests,
     shared_prefix_requests,
 )
-from frontend.bench.metrics import format_report, parse_goodput, summarize
-from frontend.bench.spec_decode import scrape_spec_counters, spec_report
+from deepinfer.frontend.bench.metrics import format_report, parse_goodput, summarize
+from deepinfer.frontend.bench.spec_decode import scrape_spec_counters, spec_report
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -28,9 +28,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from frontend.auth import UNAUTHORIZED, authorized
-from frontend.router.policy import Policy, Replica
-from frontend.server.http_io import run_until_disconnect
+from deepinfer.frontend.auth import UNAUTHORIZED, authorized
+from deepinfer.frontend.router.policy import Policy, Replica
+from deepinfer.frontend.server.http_io import run_until_disconnect
 
 log = logging.getLogger("deepinfer.router")
 # Hop-by-hop and length headers are the router's own business, not the replica's.

@@ -34,11 +34,11 @@ from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from engine import envs
-from engine.trust import ROUTER_HEADER, router_proof
-from frontend.auth import UNAUTHORIZED, authorized
-from frontend.router.app import Router, forward_headers, json_or_none, routing_text
-from frontend.router.policy import Policy
+from deepinfer.engine import envs
+from deepinfer.engine.trust import ROUTER_HEADER, router_proof
+from deepinfer.frontend.auth import UNAUTHORIZED, authorized
+from deepinfer.frontend.router.app import Router, forward_headers, json_or_none, routing_text
+from deepinfer.frontend.router.policy import Policy
 
 log = logging.getLogger("deepinfer.router")
 DISAGGREGATED, FALLBACK = "disaggregated", "fallback"

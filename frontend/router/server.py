@@ -17,9 +17,9 @@ from collections.abc import Iterator
 
 import uvicorn
 
-from frontend.router.app import Router, build_router_app
-from frontend.router.pd import PDRouter
-from frontend.router.policy import Policy
+from deepinfer.frontend.router.app import Router, build_router_app
+from deepinfer.frontend.router.pd import PDRouter
+from deepinfer.frontend.router.policy import Policy
 
 log = logging.getLogger("deepinfer.router")
 
@@ -82,7 +82,7 @@ def local_servers(serve_args: list[list[str]], api_key: str | None,
     try:
         for args in serve_args:
             p = free_port()
-            argv = [sys.executable, "-m", "frontend.cli", "serve", *args,
+            argv = [sys.executable, "-m", "deepinfer", "serve", *args,
                     "--host", "127.0.0.1", "--port", str(p)]
             # The key reaches the servers through their environment, not their argv.
             env = dict(os.environ, DEEPINFER_API_KEY=api_key) if api_key else None

@@ -19,14 +19,14 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from frontend.auth import UNAUTHORIZED, authorized
-from frontend.server.errors import APIError
-from frontend.server.http_io import SSEResponse
-from frontend.server.openai_responses import ModelCard, ModelList
-from frontend.server.openapi import openapi_document
-from frontend.server.serving_chat import create_chat_completion
-from frontend.server.serving_completion import create_completion
-from frontend.server.state import EngineClient, ServerState
+from deepinfer.frontend.auth import UNAUTHORIZED, authorized
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.http_io import SSEResponse
+from deepinfer.frontend.server.openai_responses import ModelCard, ModelList
+from deepinfer.frontend.server.openapi import openapi_document
+from deepinfer.frontend.server.serving_chat import create_chat_completion
+from deepinfer.frontend.server.serving_completion import create_completion
+from deepinfer.frontend.server.state import EngineClient, ServerState
 
 log = logging.getLogger("deepinfer.api")
 

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 import msgspec
 
-from engine.protocol import (
+from deepinfer.engine.protocol import (
     FinishReason,
     GenerateRequest,
     KVTransferParams,
@@ -22,9 +22,9 @@ from engine.protocol import (
     RequestOutput,
     SamplingParams,
 )
-from frontend.server.errors import APIError, server_error
-from frontend.server.openai_responses import PromptTokensDetails, Usage
-from frontend.server.state import ServerState
+from deepinfer.frontend.server.errors import APIError, server_error
+from deepinfer.frontend.server.openai_responses import PromptTokensDetails, Usage
+from deepinfer.frontend.server.state import ServerState
 
 _DONE = object()
 _INT64_HALF = 1 << 63

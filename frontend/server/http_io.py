@@ -17,7 +17,7 @@ import msgspec
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
-from frontend.server.errors import APIError, decode_error
+from deepinfer.frontend.server.errors import APIError, decode_error
 
 log = logging.getLogger("deepinfer.api")
 T = TypeVar("T")

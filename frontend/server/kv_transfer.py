@@ -21,11 +21,17 @@ from typing import Any
 import msgspec
 from starlette.requests import Request
 
-from engine import envs
-from engine.protocol import KVTransferParams, SamplingParams
-from engine.trust import ROUTER_HEADER, TrustError, check_params, check_router_proof, sign_params
-from frontend.server.errors import APIError
-from frontend.server.state import ServerState
+from deepinfer.engine import envs
+from deepinfer.engine.protocol import KVTransferParams, SamplingParams
+from deepinfer.engine.trust import (
+    ROUTER_HEADER,
+    TrustError,
+    check_params,
+    check_router_proof,
+    sign_params,
+)
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.state import ServerState
 
 _PARAM = "kv_transfer_params"
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.protocol import PositionLogprobs
-from frontend.server.openai_responses import (
+from deepinfer.engine.protocol import PositionLogprobs
+from deepinfer.frontend.server.openai_responses import (
     ChatLogprobEntry,
     ChatLogprobs,
     ChatTopLogprob,

@@ -24,11 +24,11 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from engine.protocol import KV_TRANSFER_BUCKETS
+from deepinfer.engine.protocol import KV_TRANSFER_BUCKETS
 
 if TYPE_CHECKING:
-    from engine.protocol import SchedulerStats
-    from frontend.server.state import ServerState
+    from deepinfer.engine.protocol import SchedulerStats
+    from deepinfer.frontend.server.state import ServerState
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,

@@ -8,8 +8,8 @@ from typing import Any
 
 import msgspec
 
-from frontend.server.openai_responses import ChatCompletion, Completion, ModelList
-from frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest
+from deepinfer.frontend.server.openai_responses import ChatCompletion, Completion, ModelList
+from deepinfer.frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest
 
 _REF = "#/components/schemas/{name}"
 

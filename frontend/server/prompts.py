@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.protocol import ChatMessage
-from frontend.server.errors import APIError
-from frontend.server.openai_schema import CompletionRequest, Message
-from frontend.server.sampling import INT32_MAX
+from deepinfer.engine.protocol import ChatMessage
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.openai_schema import CompletionRequest, Message
+from deepinfer.frontend.server.sampling import INT32_MAX
 
 ROLES = {"system", "developer", "user", "assistant", "tool", "function"}
 _TEXT_PARTS = {"text", "input_text"}

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import math
 
-from engine.protocol import GrammarSpec, SamplingParams
-from frontend.server.errors import APIError
-from frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest, _SamplingFields
+from deepinfer.engine.protocol import GrammarSpec, SamplingParams
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    _SamplingFields,
+)
 
 MAX_N = 16
 MAX_LOGPROBS = 20

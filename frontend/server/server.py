@@ -21,9 +21,9 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.applications import Starlette
 
-from engine.config import EngineConfig
-from frontend.server.app import build_app, start_engine
-from frontend.server.state import ServerState
+from deepinfer.engine.config import EngineConfig
+from deepinfer.frontend.server.app import build_app, start_engine
+from deepinfer.frontend.server.state import ServerState
 
 log = logging.getLogger("deepinfer.server")
 
@@ -104,7 +104,7 @@ def serve(
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
-    from engine.runtime.async_client import AsyncEngineClient
+    from deepinfer.engine.runtime.async_client import AsyncEngineClient
 
     state = ServerState(max_pending, model_aliases=(config.model,),
                         grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,

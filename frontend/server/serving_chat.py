@@ -11,19 +11,19 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.protocol import FinishReason, GenerateRequest, GrammarSpec
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, collect, engine_error, seeded
-from frontend.server.http_io import (
+from deepinfer.engine.protocol import FinishReason, GenerateRequest, GrammarSpec
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.generation import Generation, collect, engine_error, seeded
+from deepinfer.frontend.server.http_io import (
     SSE_DONE,
     SSEResponse,
     read_json,
     run_until_disconnect,
     sse_event,
 )
-from frontend.server.kv_transfer import apply_kv_transfer, response_params
-from frontend.server.logprobs import chat_logprobs
-from frontend.server.openai_responses import (
+from deepinfer.frontend.server.kv_transfer import apply_kv_transfer, response_params
+from deepinfer.frontend.server.logprobs import chat_logprobs
+from deepinfer.frontend.server.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -35,12 +35,12 @@ from frontend.server.openai_responses import (
     ToolCallDeltaOut,
     ToolCallOut,
 )
-from frontend.server.openai_schema import ChatCompletionRequest, decode_chat
-from frontend.server.prompts import chat_messages
-from frontend.server.sampling import chat_params
-from frontend.server.state import ServerState
-from frontend.server.structured import grammar_spec
-from frontend.server.tool_calls import ParsedDelta, ToolCallParser, ToolSetup, parse_tools
+from deepinfer.frontend.server.openai_schema import ChatCompletionRequest, decode_chat
+from deepinfer.frontend.server.prompts import chat_messages
+from deepinfer.frontend.server.sampling import chat_params
+from deepinfer.frontend.server.state import ServerState
+from deepinfer.frontend.server.structured import grammar_spec
+from deepinfer.frontend.server.tool_calls import ParsedDelta, ToolCallParser, ToolSetup, parse_tools
 
 _encode = msgspec.json.Encoder().encode
 

@@ -10,24 +10,24 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
-from engine.protocol import FinishReason, GenerateRequest, SamplingParams, pack_ids
-from frontend.server.errors import APIError
-from frontend.server.generation import Generation, collect, engine_error, seeded
-from frontend.server.http_io import (
+from deepinfer.engine.protocol import FinishReason, GenerateRequest, SamplingParams, pack_ids
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.generation import Generation, collect, engine_error, seeded
+from deepinfer.frontend.server.http_io import (
     SSE_DONE,
     SSEResponse,
     read_json,
     run_until_disconnect,
     sse_event,
 )
-from frontend.server.kv_transfer import apply_kv_transfer, response_params
-from frontend.server.logprobs import completion_logprobs
-from frontend.server.openai_responses import Completion, CompletionChoice
-from frontend.server.openai_schema import CompletionRequest, decode_completion
-from frontend.server.prompts import completion_prompts
-from frontend.server.sampling import completion_params
-from frontend.server.state import ServerState
-from frontend.server.structured import grammar_spec
+from deepinfer.frontend.server.kv_transfer import apply_kv_transfer, response_params
+from deepinfer.frontend.server.logprobs import completion_logprobs
+from deepinfer.frontend.server.openai_responses import Completion, CompletionChoice
+from deepinfer.frontend.server.openai_schema import CompletionRequest, decode_completion
+from deepinfer.frontend.server.prompts import completion_prompts
+from deepinfer.frontend.server.sampling import completion_params
+from deepinfer.frontend.server.state import ServerState
+from deepinfer.frontend.server.structured import grammar_spec
 
 _encode = msgspec.json.Encoder().encode
 

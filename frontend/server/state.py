@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from engine.protocol import GenerateRequest, SchedulerStats
-from frontend.server.errors import APIError, server_error
-from frontend.server.metrics import Metrics
+from deepinfer.engine.protocol import GenerateRequest, SchedulerStats
+from deepinfer.frontend.server.errors import APIError, server_error
+from deepinfer.frontend.server.metrics import Metrics
 
 
 class EngineClient(Protocol):

@@ -11,9 +11,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from engine.protocol import GrammarSpec
-from frontend.server.errors import APIError
-from frontend.server.openai_schema import _SamplingFields
+from deepinfer.engine.protocol import GrammarSpec
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.openai_schema import _SamplingFields
 
 BACKENDS = (None, "auto", "xgrammar")
 

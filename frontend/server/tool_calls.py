@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from frontend.server.errors import APIError
+from deepinfer.frontend.server.errors import APIError
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.native import NativeOp
+from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("paged_attention", "paged_attention.cpp", "paged_decode_attention")
 

@@ -16,11 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import fused as cpu_fused
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu import quant_linear as cpu_quant_linear
-from kernels.cpu.native import NativeOp
+from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.kernels.cpu import fused as cpu_fused
+from deepinfer.kernels.cpu import linear as cpu_linear
+from deepinfer.kernels.cpu import quant_linear as cpu_quant_linear
+from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("decode_layer", "decode_layer.cpp", "decode_layer")
 

@@ -15,7 +15,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.native import NativeOp
+from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("fused_ops", "fused_ops.cpp", "silu_and_mul")
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu.native import NativeOp
+from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("cpu_linear", "linear.cpp", "linear_small_m")
 

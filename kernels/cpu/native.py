@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.cpu.build_lock import build_lock
+from deepinfer.kernels.cpu.build_lock import build_lock
 
 log = logging.getLogger("deepinfer.kernels")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.native import NativeOp
+from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("quant_linear", "quant_linear.cpp", "quant_linear_small_m")
 

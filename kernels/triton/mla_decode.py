@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.decode_attention import (
+from deepinfer.kernels.triton.decode_attention import (
     NEG,
     _decode_merge_kernel,
     default_num_splits,

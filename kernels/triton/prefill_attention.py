@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.decode_attention import NEG, attend_ref, online_softmax_step
+from deepinfer.kernels.triton.decode_attention import NEG, attend_ref, online_softmax_step
 
 __all__ = ["prefill_attention", "prefill_attention_ref"]
 

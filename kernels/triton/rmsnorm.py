@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cpu.fused import add_rms_norm_ref
+from deepinfer.kernels.cpu.fused import add_rms_norm_ref
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref"]
 

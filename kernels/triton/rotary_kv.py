@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cpu.fused import rope_store_kv_ref
+from deepinfer.kernels.cpu.fused import rope_store_kv_ref
 
 __all__ = ["rope_store_kv", "rope_store_kv_ref"]
 

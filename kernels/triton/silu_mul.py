@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.cpu.fused import silu_and_mul_ref
+from deepinfer.kernels.cpu.fused import silu_and_mul_ref
 
 __all__ = ["silu_and_mul", "silu_and_mul_ref"]
 

@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.frontend.server_process import ServerProcess
+from scripts.server_process import ServerProcess
 
 CONTEXT = 96
 FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "temperature", "top_p", "top_k",
@@ -30,7 +30,7 @@ FIELDS = ["model", "prompt", "messages", "max_tokens", "n", "temperature", "top_
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    from tests.conftest import save_tiny_model
+    from scripts.tiny_models import save_tiny_model
 
     model = save_tiny_model(tmp_path_factory.mktemp("fuzz"))
     s = ServerProcess(model, "--served-model-name", "tiny", "--max-model-len", str(CONTEXT),

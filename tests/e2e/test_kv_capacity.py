@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from tests.frontend.server_process import ServerProcess
+from scripts.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

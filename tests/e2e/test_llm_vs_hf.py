@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from tests.conftest import save_tiny_model
+from deepinfer import LLM, SamplingParams
+from scripts.tiny_models import save_tiny_model
 
 
 def hf_gaps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
@@ -77,8 +77,8 @@ def test_greedy_32_tokens_match_hf_with_chunking_and_preemption(variant, tmp_pat
 def test_float16_kv_cache_greedy_matches_hf_reading_rounded_kv(tmp_path):
     """--kv-cache-dtype float16 through the real processes, with chunking, preemption and
     prefix-cache reuse: every token is the greedy choice of HF's model whose attention reads
-    K/V rounded to float16 (tests/workers/test_kv_cache_dtype.py holds the logits to it)."""
-    from tests.workers.test_kv_cache_dtype import hf_model
+    K/V rounded to float16 (tests/workers/models/test_kv_cache_dtype.py holds the logits to it)."""
+    from tests.workers.models.test_kv_cache_dtype import hf_model
 
     model_dir = save_tiny_model(tmp_path / "llama", "llama")
     rng = np.random.default_rng(2)

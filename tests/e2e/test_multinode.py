@@ -8,13 +8,14 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 
 import httpx
 import zmq
 
-from engine import LLM, SamplingParams
-from tests.conftest import save_tiny_model
-from tests.frontend.server_process import REPO, ServerProcess
+from deepinfer import LLM, SamplingParams
+from scripts.server_process import ServerProcess
+from scripts.tiny_models import save_tiny_model
 
 
 def free_ports(n: int) -> int:
@@ -48,10 +49,10 @@ def test_two_nodes_give_the_one_node_text(tmp_path):
     flags = ["--tensor-parallel-size", "2", "--nnodes", "2",
              "--dist-init-addr", f"127.0.0.1:{port}"]
     secret = {"DEEPINFER_CLUSTER_SECRET": "multinode-test-secret"}
-    env = dict(os.environ, PYTHONPATH=str(REPO), TOKENIZERS_PARALLELISM="false", **secret)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **secret)
     node1 = subprocess.Popen(
-        [sys.executable, "-m", "frontend.cli", "serve", "--model", str(model), *flags,
-         "--node-rank", "1"], cwd=REPO, env=env, start_new_session=True,
+        [sys.executable, "-m", "deepinfer", "serve", "--model", str(model), *flags,
+         "--node-rank", "1"], cwd=tempfile.gettempdir(), env=env, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         node0 = ServerProcess(model, *flags, "--node-rank", "0", env=secret)

@@ -14,8 +14,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.conftest import save_tiny_model
+from deepinfer import LLM, SamplingParams
+from scripts.tiny_models import save_tiny_model
 
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logprobs=0)
 W = 8

@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from engine import LLM, SamplingParams
-from engine.config import ModelConfigError
-from engine.runtime.launcher import EngineStartupError
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.config import ModelConfigError
+from deepinfer.engine.runtime.launcher import EngineStartupError
 
 
 def alive(pid: int) -> bool:
@@ -59,7 +59,7 @@ def test_signal_to_the_parent_leaves_no_orphans(tiny_model_dir, tmp_path, sig):
         # Ctrl-C semantics, whatever the parent left: a job started in the background by a
         # non-interactive shell inherits SIGINT ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        from engine import LLM
+        from deepinfer import LLM
         llm = LLM({str(tiny_model_dir)!r}, num_kv_blocks=64)
         launcher = llm.client.launcher
         print(launcher.endpoints.root, *[p.pid for p in launcher.procs.values()], flush=True)

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.frontend.server_process import ServerProcess, descendants
+from scripts.server_process import ServerProcess, descendants
 
 
 def placements(base_url: str) -> dict[str, float]:
@@ -26,7 +26,7 @@ def complete(base_url: str, prompt: str, **extra) -> httpx.Response:
 
 @pytest.fixture(scope="module")
 def router(tmp_path_factory):
-    from tests.conftest import save_tiny_model
+    from scripts.tiny_models import save_tiny_model
 
     model = save_tiny_model(tmp_path_factory.mktemp("dp"))
     server = ServerProcess(model, "--data-parallel-size", "2", "--num-kv-blocks", "64",

@@ -8,19 +8,13 @@ really close); the replica's own /metrics say whether the request was aborted or
 from __future__ import annotations
 
 import json
-import os
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import time
-from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.frontend.server_process import REPO, ServerProcess, free_port, wait_healthy
+from scripts.server_process import ServerProcess
 
 # The client leaves once the replica has decoded LEAVE_AFTER tokens: a streaming client that
 # never read them has by then filled every buffer on the way, so the router sits in a send to
@@ -28,39 +22,9 @@ from tests.frontend.server_process import REPO, ServerProcess, free_port, wait_h
 LEAVE_AFTER, MAX_TOKENS = 1000, 6000
 
 
-class RouterProcess:
-    """`deepinfer router --worker URL` as a real subprocess, in its own session."""
-
-    def __init__(self, *workers: str, timeout: float = 60.0) -> None:
-        self.port = free_port()
-        self.base_url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="deepinfer-router-", suffix=".log")
-        cmd = [sys.executable, "-m", "frontend.cli", "router", "--port", str(self.port),
-               *(arg for url in workers for arg in ("--worker", url))]
-        env = dict(os.environ, PYTHONPATH=str(REPO))
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT,
-                                     env=env, start_new_session=True)
-        if not wait_healthy(self.base_url, self.proc, timeout):
-            self.stop()
-            raise RuntimeError(f"router not healthy:\n{self.output()}")
-
-    def output(self) -> str:
-        self.log.flush()
-        return Path(self.log.name).read_text()[-6000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-
 @pytest.fixture(scope="module")
 def replica(tmp_path_factory):
-    from tests.conftest import save_tiny_model
+    from scripts.tiny_models import save_tiny_model
 
     model = save_tiny_model(tmp_path_factory.mktemp("router-disconnect"),
                             max_position_embeddings=MAX_TOKENS + 64)
@@ -77,7 +41,7 @@ def replica(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def router(replica):
-    proc = RouterProcess(replica.base_url)
+    proc = ServerProcess(None, "--worker", replica.base_url, command="router", timeout=60)
     try:
         yield proc
     finally:
@@ -112,7 +76,7 @@ def wait_for(http: httpx.Client, ready, what: str) -> dict[str, float]:
     return m
 
 
-def router_in_flight(router: RouterProcess) -> float:
+def router_in_flight(router: ServerProcess) -> float:
     text = httpx.get(f"{router.base_url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith("deepinfer_router_in_flight{"))

@@ -12,8 +12,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from tests.conftest import add_mtp_weights, save_tiny_model
+from deepinfer import LLM, SamplingParams
+from scripts.tiny_models import add_mtp_weights, save_tiny_model
 
 GREEDY = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 3, [100, 200, 300, 400], list(range(1000, 1030))]
@@ -154,7 +154,8 @@ def test_seeded_sampling_does_not_depend_on_the_batch(pair):
 
 def test_mtp_greedy_text_is_identical_under_chunking_and_preemption(tmp_path):
     """DeepSeek-V3's MTP layer as the proposer (its drafts are checked against a reference MTP
-    layer in tests/workers/test_mtp.py); 40 blocks of 4 tokens cannot hold all six requests."""
+    layer in tests/workers/spec_decode/test_mtp.py); 40 blocks of 4 tokens cannot hold all six
+    requests."""
     model = save_tiny_model(tmp_path / "ds", "deepseek_v3")
     add_mtp_weights(model)
     rng = np.random.default_rng(4)

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from tests.workers.test_rejection import chi_square_p
+from deepinfer import LLM, SamplingParams
+from tests.workers.sample.test_rejection import chi_square_p
 
 V = 16
 PROMPT = [3, 7, 1, 12, 5]

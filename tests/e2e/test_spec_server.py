@@ -11,8 +11,8 @@ import httpx
 import openai
 import pytest
 
-from tests.frontend.server_process import ServerProcess
-from tests.frontend.test_server_e2e import _raw_post, _scrape, _wait_running
+from scripts.server_process import ServerProcess
+from tests.frontend.server.test_server_e2e import _raw_post, _scrape, _wait_running
 
 REPEAT = [5, 6, 7, 8, 9, 10] * 4  # the tiny random model keeps repeating: lookups hit
 

@@ -8,9 +8,9 @@ import json
 
 import jsonschema
 
-from engine.protocol import GrammarSpec, SamplingParams
-from engine.runtime.llm import LLM
-from tests.e2e.structured_schemas import SCHEMAS
+from deepinfer.engine.protocol import GrammarSpec, SamplingParams
+from deepinfer.engine.runtime.llm import LLM
+from scripts.structured_schemas import SCHEMAS
 
 PICK = [SCHEMAS[i] for i in (0, 2, 9, 11, 14, 17)]
 

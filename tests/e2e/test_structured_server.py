@@ -13,8 +13,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.e2e.structured_schemas import SCHEMAS
-from tests.frontend.server_process import ServerProcess
+from scripts.server_process import ServerProcess
+from scripts.structured_schemas import SCHEMAS
 
 MODEL = "smol"
 SYSTEM = {"role": "system", "content": "You answer with JSON only."}

@@ -7,9 +7,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.config import EngineConfig, ModelConfigError
-from tests.conftest import save_tiny_model
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.config import EngineConfig, ModelConfigError
+from scripts.tiny_models import save_tiny_model
 
 VARIANTS = {
     "llama-gqa": ("llama", {}),  # 4 query heads, 2 KV heads: one KV head per rank
@@ -52,7 +52,7 @@ def test_two_ranks_give_the_one_rank_tokens_and_logprobs(variant, tmp_path):
 
 
 def test_models_that_cannot_split_are_refused_in_one_line(tmp_path):
-    from engine.model_store import ensure_config
+    from deepinfer.engine.model_store import ensure_config
 
     v3 = save_tiny_model(tmp_path / "v3", "deepseek_v3")
     with pytest.raises(ModelConfigError, match="--enable-expert-parallel splits its experts"):

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from engine.model_config import FULL, SLIDING
-from engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
+from deepinfer.engine.model_config import FULL, SLIDING
+from deepinfer.engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
 
 CORRUPT = -1  # a slot whose contents are undefined (e.g. two copies raced into it)
 
@@ -95,12 +95,13 @@ class SimulatedWorker:
                           num_drafts=pack_ids(proposed) if speculated else b"")
 
     def _copy_blocks(self, plan: StepPlan) -> None:
-        if not (plan.swap_out or plan.swap_in):
+        copies = plan.connectors.get("host_tier")  # the host tier's saves and loads
+        if copies is None:
             return
         full = self.groups.index(FULL)
         bs = self.block_size
-        out = unpack_ids(plan.swap_out).reshape(-1, 2).tolist()
-        into = unpack_ids(plan.swap_in).reshape(-1, 2).tolist()
+        out = unpack_ids(copies.saves).reshape(-1, 2).tolist()
+        into = unpack_ids(copies.loads).reshape(-1, 2).tolist()
         # The real worker copies all pairs in one indexed copy: a target written twice in one
         # plan holds either source, so treat it as undefined.
         targets = [h for _, h in out]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.model_config import ModelConfig
+from deepinfer.engine.model_config import ModelConfig
 
 BASE = dict(hidden_size=16, intermediate_size=24, num_hidden_layers=4, num_attention_heads=2,
             vocab_size=100)

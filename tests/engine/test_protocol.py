@@ -3,7 +3,7 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
-from engine.protocol import (
+from deepinfer.engine.protocol import (
     ChatMessage,
     GenerateRequest,
     SamplingParams,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.config import EngineConfig, ModelConfig, ModelConfigError
+from deepinfer.engine.config import EngineConfig, ModelConfig, ModelConfigError
 
 BASE = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
         "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -39,7 +39,7 @@ def test_bad_settings_name_the_flag(kwargs: dict, message: str) -> None:
 
 
 def test_the_cli_refuses_an_unknown_choice(capsys) -> None:
-    from frontend.cli import main
+    from deepinfer.frontend.cli import main
 
     with pytest.raises(SystemExit):
         main(["generate", "--quantization", "int4", "hello"])
@@ -47,7 +47,7 @@ def test_the_cli_refuses_an_unknown_choice(capsys) -> None:
 
 
 def test_a_missing_gguf_is_named(tmp_path) -> None:
-    from engine.model_store import ensure_model
+    from deepinfer.engine.model_store import ensure_model
 
     with pytest.raises(ModelConfigError, match="nothing.gguf"):
         ensure_model(str(tmp_path / "nothing.gguf"))

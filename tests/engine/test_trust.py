@@ -7,8 +7,8 @@ import msgspec
 import numpy as np
 import pytest
 
-from engine.protocol import KVTransferParams
-from engine.trust import (
+from deepinfer.engine.protocol import KVTransferParams
+from deepinfer.engine.trust import (
     ROUTER_PROOF_SKEW,
     TrustError,
     check_params,

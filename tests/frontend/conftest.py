@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from starlette.testclient import TestClient
 
-from frontend.server.app import build_app
-from frontend.server.state import ServerState
-from tests.frontend.fake_engine import MODEL, FakeEngineClient
+from deepinfer.frontend.server.app import build_app
+from deepinfer.frontend.server.state import ServerState
+from tests.frontend.server.fake_engine import MODEL, FakeEngineClient
 
 
 @pytest.fixture()

@@ -7,9 +7,9 @@ import openai
 import pytest
 from starlette.testclient import TestClient
 
-from frontend.router.app import Router, build_router_app
-from frontend.router.policy import Policy
-from tests.frontend.server_process import ServerProcess
+from deepinfer.frontend.router.app import Router, build_router_app
+from deepinfer.frontend.router.policy import Policy
+from scripts.server_process import ServerProcess
 
 
 @pytest.fixture(scope="module")

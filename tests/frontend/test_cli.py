@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_store
-from engine.config import ModelConfigError
-from frontend import cli
-from tests.conftest import save_tiny_model
+from deepinfer.engine import model_store
+from deepinfer.engine.config import ModelConfigError
+from deepinfer.frontend import cli
+from scripts.tiny_models import save_tiny_model
 from tests.engine.model_store.tiny_gguf import use_tiny_default_model
 
 
@@ -154,7 +154,7 @@ def test_servers_that_talk_to_peers_need_the_cluster_secret(monkeypatch, tmp_pat
 def started(monkeypatch):
     """`deepinfer serve` topologies with no process started: the argv of each local server
     and the router's arguments."""
-    from frontend.router import server
+    from deepinfer.frontend.router import server
 
     seen: dict = {"argvs": [], "configs": []}
     # A disaggregated topology makes its own secret for its processes: not for later tests.
@@ -202,7 +202,7 @@ def test_serve_prefill_and_decode_servers_each_get_their_role(started):
 
 
 def test_serve_data_parallel_shares_the_cores_over_its_replicas(started, monkeypatch):
-    from frontend.router import server
+    from deepinfer.frontend.router import server
 
     monkeypatch.setattr(server.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
     assert cli.main(["serve", "--model", "/m", "--data-parallel-size", "4"]) == 0

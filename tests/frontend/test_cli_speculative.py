@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from engine import model_store
-from engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelConfigError
-from engine.runtime.llm import LLM
-from frontend import cli
-from frontend.server import server
+from deepinfer.engine import model_store
+from deepinfer.engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelConfigError
+from deepinfer.engine.runtime.llm import LLM
+from deepinfer.frontend import cli
+from deepinfer.frontend.server import server
 from tests.engine.model_store.tiny_gguf import use_tiny_default_model
 
 SPEC_FLAGS = ["--speculative-method", "draft", "--num-speculative-tokens", "5",

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig
-from frontend.bench.grounded_prompts import GROUNDED_PROMPTS
+from deepinfer.engine.config import EngineConfig
+from deepinfer.frontend.bench.grounded_prompts import GROUNDED_PROMPTS
 from scripts import bench_spec_decode as bench
 
 REPO = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_engine_args_per_side():
 def test_grounded_prompt_ids_use_the_chat_template(default_model):
     ids = bench.grounded_prompt_ids("default", 18)
     assert len(ids) == 18 and ids[16] == ids[0] and ids[0] != ids[1]
-    from engine.tokenizer.tokenizer import Tokenizer
+    from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 
     text = Tokenizer(str(default_model)).decode(ids[0], skip_special_tokens=False)
     assert GROUNDED_PROMPTS[0] in text and text.startswith("<|im_start|>")

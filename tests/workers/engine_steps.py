@@ -8,9 +8,15 @@ from pathlib import Path
 
 import torch
 
-from engine.config import EngineConfig
-from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids, unpack_ids
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.protocol import (
+    SamplingParams,
+    StepResult,
+    TokenizedRequest,
+    pack_ids,
+    unpack_ids,
+)
+from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def run_engine(model_dir: Path, prompts: dict[str, list[int]], max_tokens: int = 1,
@@ -18,13 +24,13 @@ def run_engine(model_dir: Path, prompts: dict[str, list[int]], max_tokens: int =
     """Greedy; 4-token blocks, 24-token steps, 10-token prefill chunks, so prompts split. Returns
     (runner, logits rows per request, sampled tokens per request, steps taken); checks every KV
     block came back."""
-    from workers.model_runner import ModelRunner
+    from deepinfer.workers.model_runner import ModelRunner
 
     cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4, **engine_args)
     runner = ModelRunner(cfg)
     sched = Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=24,
                                       prefill_chunk_size=10,
-                                      kv_groups=cfg.model_config().kv_cache_spec().groups()))
+                                      kv_groups=cfg.model_config().kv_cache_layout().groups()))
     for rid, ids in prompts.items():
         sched.add(TokenizedRequest(rid, pack_ids(ids), SamplingParams(max_tokens=max_tokens)))
     logits, tokens = defaultdict(list), defaultdict(list)

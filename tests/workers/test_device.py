@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import LLM
-from engine.config import EngineConfig, ModelConfigError
-from engine.runtime.launcher import EngineStartupError
-from frontend import cli
-from workers.cuda_graphs import capture_sizes
-from workers.device import DeviceError, resolve_device
+from deepinfer import LLM
+from deepinfer.engine.config import EngineConfig, ModelConfigError
+from deepinfer.engine.runtime.launcher import EngineStartupError
+from deepinfer.frontend import cli
+from deepinfer.workers.cuda_graphs import capture_sizes
+from deepinfer.workers.device import DeviceError, resolve_device
 
 
 @pytest.fixture
@@ -83,8 +83,8 @@ def test_graph_sizes_and_the_eager_switch() -> None:
 def test_quantized_checkpoints_are_refused_off_the_cpu(tiny_model_dir, tmp_path) -> None:
     """An fp8 checkpoint keeps its weights quantized; off the CPU (here the meta device, which
     needs no GPU: the check runs before anything moves) the loader says so."""
-    from tests.workers.quantized_checkpoints import write_fp8_checkpoint
-    from workers.loader import load_model
+    from deepinfer.workers.loader import load_model
+    from tests.workers.quantization.quantized_checkpoints import write_fp8_checkpoint
 
     fp8, _ = write_fp8_checkpoint(tiny_model_dir, tmp_path / "fp8", tmp_path / "ref")
     with pytest.raises(ModelConfigError, match="keeps quantized weights .* run on CPU workers "

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import attention as cpu_attention
-from workers.attention.base import AttentionBackend
-from workers.attention.metadata import AttentionMetadata, SeqSlice
-from workers.attention.torch_backend import TorchAttention
+from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.workers.attention.base import AttentionBackend
+from deepinfer.workers.attention.metadata import AttentionMetadata, SeqSlice
+from deepinfer.workers.attention.torch_backend import TorchAttention
 
 __all__ = ["AttentionBackend", "AttentionMetadata", "SeqSlice", "select_backend"]
 
@@ -16,12 +16,12 @@ def select_backend(device: torch.device | str, dtype: torch.dtype) -> AttentionB
     """Triton on CUDA devices, the native CPU kernel where it builds and takes the dtype, plain
     torch elsewhere."""
     if torch.device(device).type == "cuda":
-        from workers.attention.triton_backend import TritonAttention
+        from deepinfer.workers.attention.triton_backend import TritonAttention
 
         return TritonAttention(device)
     probe = torch.empty(0, device=device, dtype=dtype)
     if cpu_attention.available(probe):
-        from workers.attention.cpu_backend import CpuAttention
+        from deepinfer.workers.attention.cpu_backend import CpuAttention
 
         return CpuAttention()
     return TorchAttention()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.attention.metadata import AttentionMetadata, SeqSlice
+from deepinfer.workers.attention.metadata import AttentionMetadata, SeqSlice
 
 
 class AttentionBackend:

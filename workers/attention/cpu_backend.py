@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import attention as cpu_attention
-from workers.attention.metadata import AttentionMetadata
-from workers.attention.torch_backend import TorchAttention
+from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.workers.attention.metadata import AttentionMetadata
+from deepinfer.workers.attention.torch_backend import TorchAttention
 
 
 class CpuAttention(TorchAttention):

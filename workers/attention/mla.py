@@ -1,7 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3) over the paged latent cache, in plain torch.
 
 Each cached token holds one compressed latent c (kv_lora_rank wide, normed) and one rotary key
-k_r shared by all heads (the LATENT entry of engine/kv_spec.py). Head h's key and value are
+k_r shared by all heads (the LATENT entry of engine/kv_layout.py). Head h's key and value are
 k_h = [W_UK_h c, k_r] and v_h = W_UV_h c, with W_UK, W_UV the two halves of kv_b_proj.
 
 - Prefill chunks expand the context's latents into per-head keys and values (one GEMM over
@@ -19,9 +19,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.metadata import AttentionMetadata
-from workers.attention.torch_backend import gather_blocks
-from workers.attention.triton_backend import TritonMetadata
+from deepinfer.workers.attention.metadata import AttentionMetadata
+from deepinfer.workers.attention.torch_backend import gather_blocks
+from deepinfer.workers.attention.triton_backend import TritonMetadata
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, rope_cache: torch.Tensor,
@@ -56,7 +56,7 @@ def _decode_absorbed(q_nope, q_rope, rope_cache, latent_cache, meta: AttentionMe
     batch = q_nope.shape[0]
     q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)
     if isinstance(meta, TritonMetadata):  # the device's tables and key ranges, one launch
-        from kernels.triton.mla_decode import mla_decode_attention
+        from deepinfer.kernels.triton.mla_decode import mla_decode_attention
 
         o = mla_decode_attention(q_latent.contiguous(), q_rope.contiguous(), latent_cache,
                                  rope_cache, meta.decode_tables, meta.decode_lo_dev,

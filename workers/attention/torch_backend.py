@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from workers.attention.base import AttentionBackend
-from workers.attention.metadata import AttentionMetadata
+from deepinfer.workers.attention.base import AttentionBackend
+from deepinfer.workers.attention.metadata import AttentionMetadata
 
 
 def gather_blocks(cache: torch.Tensor, blocks: torch.Tensor, batch: int,

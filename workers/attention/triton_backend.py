@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from workers.attention.base import AttentionBackend
-from workers.attention.metadata import AttentionMetadata, SeqSlice
+from deepinfer.workers.attention.base import AttentionBackend
+from deepinfer.workers.attention.metadata import AttentionMetadata, SeqSlice
 
 
 @dataclass
@@ -80,8 +80,8 @@ class TritonAttention(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata, scale: float
                 ) -> torch.Tensor:
-        from kernels.triton.decode_attention import paged_decode_attention
-        from kernels.triton.prefill_attention import prefill_attention
+        from deepinfer.kernels.triton.decode_attention import paged_decode_attention
+        from deepinfer.kernels.triton.prefill_attention import prefill_attention
 
         if not isinstance(meta, TritonMetadata):  # built by another backend (a test, a tool)
             meta = self.on_device(meta)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.quantization.weight import QuantizedWeight
+from deepinfer.workers.quantization.weight import QuantizedWeight
 
 
 class LazyTensor:

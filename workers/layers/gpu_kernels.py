@@ -16,18 +16,18 @@ def wanted(t: torch.Tensor) -> bool:
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
                  eps: float) -> torch.Tensor:
-    from kernels.triton.rmsnorm import add_rms_norm as kernel
+    from deepinfer.kernels.triton.rmsnorm import add_rms_norm as kernel
 
     return kernel(x, residual, weight, eps)
 
 
 def rope_store_kv(*args: torch.Tensor | None) -> None:
-    from kernels.triton.rotary_kv import rope_store_kv as kernel
+    from deepinfer.kernels.triton.rotary_kv import rope_store_kv as kernel
 
     kernel(*args)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    from kernels.triton.silu_mul import silu_and_mul as kernel
+    from deepinfer.kernels.triton.silu_mul import silu_and_mul as kernel
 
     return kernel(x)

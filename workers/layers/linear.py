@@ -4,7 +4,7 @@
   plain [out, in] weight once for all rows: ~18 ms for a SmolLM2 token's linears against ~27 ms
   for oneDNN and ~50 ms for F.linear.
 - Larger M (prefill chunks, big decode batches): oneDNN-packed float32 weights via
-  `mkldnn._linear_pointwise` (1.6-3x faster than MKL's small-M GEMM, see DESIGN.md); the weight
+  `mkldnn._linear_pointwise` (1.6-3x faster than MKL's small-M GEMM at 4-64 rows); the weight
   is reordered once by `finalize()`.
 - Elsewhere (CUDA, half precision, no compiler, no mkldnn): plain `F.linear`.
 - Quantized weights (a GGUF's or an fp8 checkpoint's as loaded, or --quantization int8 / fp8 at
@@ -26,12 +26,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu.decode_layer import EMPTY, LinearWeights
-from workers.layers.checkpoint_tensor import materialize
-from workers.quantization.fp8 import quantize_fp8_weight
-from workers.quantization.matmul import QuantizedMatmul, packed_bytes
-from workers.quantization.weight import QuantizedWeight, cat_rows, quantize_int8
+from deepinfer.kernels.cpu import linear as cpu_linear
+from deepinfer.kernels.cpu.decode_layer import EMPTY, LinearWeights
+from deepinfer.workers.layers.checkpoint_tensor import materialize
+from deepinfer.workers.quantization.fp8 import quantize_fp8_weight
+from deepinfer.workers.quantization.matmul import QuantizedMatmul, packed_bytes
+from deepinfer.workers.quantization.weight import QuantizedWeight, cat_rows, quantize_int8
 
 SMALL_M = 4  # largest batch the weight-streaming kernel handles better than a GEMM
 WEIGHT_COPIES = ("auto", "both", "packed", "plain")
@@ -220,7 +220,7 @@ class RowParallelLinear(Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False,
                  shard: tuple[int, int] | None = None) -> None:
         """`shard`: (start, size) of this rank's input features (default: an equal part)."""
-        from workers.distributed.parallel_state import tp
+        from deepinfer.workers.distributed.parallel_state import tp
 
         self.tp = tp()
         start, size = shard or self.tp.shard(in_features, "input features")

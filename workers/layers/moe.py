@@ -12,11 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels.cpu import fused as cpu_fused
-from kernels.cpu import linear as cpu_linear
-from workers.distributed.parallel_state import ep, group, tp
-from workers.layers.checkpoint_tensor import materialize
-from workers.layers.linear import SMALL_M
+from deepinfer.kernels.cpu import fused as cpu_fused
+from deepinfer.kernels.cpu import linear as cpu_linear
+from deepinfer.workers.distributed.parallel_state import ep, group, tp
+from deepinfer.workers.layers.checkpoint_tensor import materialize
+from deepinfer.workers.layers.linear import SMALL_M
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool

@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kernels.cpu import fused as cpu_fused
-from workers.layers import gpu_kernels
+from deepinfer.kernels.cpu import fused as cpu_fused
+from deepinfer.workers.layers import gpu_kernels
 
 
 class RMSNorm(nn.Module):

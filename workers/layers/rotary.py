@@ -8,8 +8,8 @@ import math
 import torch
 from torch import nn
 
-from kernels.cpu import fused as cpu_fused
-from workers.layers import gpu_kernels
+from deepinfer.kernels.cpu import fused as cpu_fused
+from deepinfer.workers.layers import gpu_kernels
 
 
 def inverse_frequencies(params: dict, rotary_dim: int) -> tuple[torch.Tensor, float]:

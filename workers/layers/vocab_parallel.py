@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from workers.distributed.parallel_state import tp
-from workers.layers.linear import Linear, shard_on_load
-from workers.quantization.weight import QuantizedWeight
+from deepinfer.workers.distributed.parallel_state import tp
+from deepinfer.workers.layers.linear import Linear, shard_on_load
+from deepinfer.workers.quantization.weight import QuantizedWeight
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import importlib
 
-from engine.model_config import ModelConfigError
+from deepinfer.engine.model_config import ModelConfigError
 
 # architecture -> "module:class" (one module per model family)
 ARCHITECTURES = {
-    "LlamaForCausalLM": "workers.models.llama:LlamaForCausalLM",
-    "MistralForCausalLM": "workers.models.llama:LlamaForCausalLM",
-    "Qwen2ForCausalLM": "workers.models.llama:LlamaForCausalLM",
-    "Qwen3ForCausalLM": "workers.models.llama:LlamaForCausalLM",
-    "MixtralForCausalLM": "workers.models.moe:MoeForCausalLM",
-    "Qwen2MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
-    "Qwen3MoeForCausalLM": "workers.models.moe:MoeForCausalLM",
-    "Gemma3ForCausalLM": "workers.models.gemma3:Gemma3ForCausalLM",
-    "DeepseekV3ForCausalLM": "workers.models.deepseek_v3:DeepseekV3ForCausalLM",
-    "DeepseekV4ForCausalLM": "workers.models.deepseek_v4:DeepseekV4ForCausalLM",
+    "LlamaForCausalLM": "deepinfer.workers.models.llama:LlamaForCausalLM",
+    "MistralForCausalLM": "deepinfer.workers.models.llama:LlamaForCausalLM",
+    "Qwen2ForCausalLM": "deepinfer.workers.models.llama:LlamaForCausalLM",
+    "Qwen3ForCausalLM": "deepinfer.workers.models.llama:LlamaForCausalLM",
+    "MixtralForCausalLM": "deepinfer.workers.models.moe:MoeForCausalLM",
+    "Qwen2MoeForCausalLM": "deepinfer.workers.models.moe:MoeForCausalLM",
+    "Qwen3MoeForCausalLM": "deepinfer.workers.models.moe:MoeForCausalLM",
+    "Gemma3ForCausalLM": "deepinfer.workers.models.gemma3:Gemma3ForCausalLM",
+    "DeepseekV3ForCausalLM": "deepinfer.workers.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "DeepseekV4ForCausalLM": "deepinfer.workers.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 

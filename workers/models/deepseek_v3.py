@@ -19,14 +19,14 @@ import re
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from workers.attention import AttentionBackend, AttentionMetadata
-from workers.attention.mla import mla_attention
-from workers.layers.linear import Linear, PlainWeight
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding, yarn_mscale
-from workers.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
-from workers.models.moe import EXPERT_PARAMS, moe_or_dense_mlp
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.workers.attention import AttentionBackend, AttentionMetadata
+from deepinfer.workers.attention.mla import mla_attention
+from deepinfer.workers.layers.linear import Linear, PlainWeight
+from deepinfer.workers.layers.norm import RMSNorm
+from deepinfer.workers.layers.rotary import RotaryEmbedding, yarn_mscale
+from deepinfer.workers.models.llama import DecoderLayer, LlamaForCausalLM, LlamaModel
+from deepinfer.workers.models.moe import EXPERT_PARAMS, moe_or_dense_mlp
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 

@@ -34,14 +34,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.model_config import ModelConfig
-from workers.attention import AttentionBackend, AttentionMetadata
-from workers.layers.linear import Linear, MergedLinear, PlainWeight
-from workers.layers.moe import FusedExperts, clamped_swiglu
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import inverse_frequencies
-from workers.models.llama import LlamaForCausalLM
-from workers.models.moe import EXPERT_PARAMS
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.workers.attention import AttentionBackend, AttentionMetadata
+from deepinfer.workers.layers.linear import Linear, MergedLinear, PlainWeight
+from deepinfer.workers.layers.moe import FusedExperts, clamped_swiglu
+from deepinfer.workers.layers.norm import RMSNorm
+from deepinfer.workers.layers.rotary import inverse_frequencies
+from deepinfer.workers.models.llama import LlamaForCausalLM
+from deepinfer.workers.models.moe import EXPERT_PARAMS
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -426,13 +426,13 @@ class DeepseekV4Model(nn.Module):
         self.hc_head = HyperHead(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ropes = nn.ModuleList([main, compress])
-        spec = cfg.kv_cache_spec()  # entry names and groups do not depend on the block size
+        layout = cfg.kv_cache_layout()  # entry names and groups do not depend on the block size
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
-            for e, entry in enumerate(spec.layers):
+            for e, entry in enumerate(layout.layers):
                 if entry.layer == i:
                     attn.entries[entry.name] = e
-                    attn.groups[entry.name] = spec.group_of(e)
+                    attn.groups[entry.name] = layout.group_of(e)
 
     def forward(self, input_ids, positions, kv_caches, metas: list[AttentionMetadata]):
         x = self.embed_tokens(input_ids)

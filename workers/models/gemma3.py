@@ -17,12 +17,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import SLIDING, ModelConfig
-from workers.attention import AttentionBackend, AttentionMetadata
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.layers.vocab_parallel import VocabParallelEmbedding
-from workers.models.llama import Attention, LlamaForCausalLM, MLPFactory, dense_mlp
+from deepinfer.engine.model_config import SLIDING, ModelConfig
+from deepinfer.workers.attention import AttentionBackend, AttentionMetadata
+from deepinfer.workers.layers.norm import RMSNorm
+from deepinfer.workers.layers.rotary import RotaryEmbedding
+from deepinfer.workers.layers.vocab_parallel import VocabParallelEmbedding
+from deepinfer.workers.models.llama import Attention, LlamaForCausalLM, MLPFactory, dense_mlp
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -62,9 +62,9 @@ class Gemma3Model(nn.Module):
             cfg.head_dim, cfg.max_position_embeddings, cfg.rope_sliding)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_scale = cfg.embed_scale
-        spec = cfg.kv_cache_spec()
+        layout = cfg.kv_cache_layout()
         self.layers = nn.ModuleList(
-            Gemma3DecoderLayer(cfg, sliding if kind == SLIDING else full, spec.group_of(i),
+            Gemma3DecoderLayer(cfg, sliding if kind == SLIDING else full, layout.group_of(i),
                                backend, mlp(cfg, i))
             for i, kind in enumerate(cfg.layer_kinds))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg.norm_offset)

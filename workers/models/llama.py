@@ -14,17 +14,17 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig, ModelConfigError
-from kernels.cpu import decode_layer as cpu_decode_layer
-from kernels.cpu import fused as cpu_fused
-from kernels.cpu.decode_layer import DecodeLayerWeights
-from workers.attention import AttentionBackend, AttentionMetadata
-from workers.distributed.parallel_state import tp
-from workers.layers import gpu_kernels
-from workers.layers.linear import SMALL_M, MergedLinear, RowParallelLinear
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
+from deepinfer.engine.model_config import ModelConfig, ModelConfigError
+from deepinfer.kernels.cpu import decode_layer as cpu_decode_layer
+from deepinfer.kernels.cpu import fused as cpu_fused
+from deepinfer.kernels.cpu.decode_layer import DecodeLayerWeights
+from deepinfer.workers.attention import AttentionBackend, AttentionMetadata
+from deepinfer.workers.distributed.parallel_state import tp
+from deepinfer.workers.layers import gpu_kernels
+from deepinfer.workers.layers.linear import SMALL_M, MergedLinear, RowParallelLinear
+from deepinfer.workers.layers.norm import RMSNorm
+from deepinfer.workers.layers.rotary import RotaryEmbedding
+from deepinfer.workers.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 # checkpoint name fragment -> (fused module fragment, part)
 STACKED_PARAMS = {
@@ -172,9 +172,9 @@ class LlamaModel(nn.Module):
         super().__init__()
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        spec = cfg.kv_cache_spec()
+        layout = cfg.kv_cache_layout()
         self.layers = nn.ModuleList(
-            self.layer_class(cfg, rotary, spec.group_of(i), backend, mlp(cfg, i))
+            self.layer_class(cfg, rotary, layout.group_of(i), backend, mlp(cfg, i))
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary = rotary

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig
-from workers.layers.linear import Linear
-from workers.layers.moe import FusedExperts, route, route_grouped
-from workers.models.llama import MLP, LlamaForCausalLM
+from deepinfer.engine.model_config import ModelConfig
+from deepinfer.workers.layers.linear import Linear
+from deepinfer.workers.layers.moe import FusedExperts, route, route_grouped
+from deepinfer.workers.models.llama import MLP, LlamaForCausalLM
 
 # per-expert checkpoint names (Qwen: gate/up/down_proj, Mixtral: w1/w3/w2) -> FusedExperts part
 EXPERT_PARAMS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down",

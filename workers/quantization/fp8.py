@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from workers.quantization.weight import QuantizedWeight
+from deepinfer.workers.quantization.weight import QuantizedWeight
 
 FP8_MAX = 448.0  # largest finite e4m3fn
 

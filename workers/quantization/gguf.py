@@ -20,12 +20,12 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
 
-from engine.model_store.errors import ModelPrepareError
-from engine.model_store.gguf_config import model_config
-from engine.model_store.gguf_metadata import read_metadata
-from engine.model_store.gguf_model import unsupported_type
-from engine.model_store.gguf_weights import _SKIPPED, LAYOUTS, hf_name, unpermute_heads
-from workers.quantization.weight import QuantizedWeight
+from deepinfer.engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.gguf_config import model_config
+from deepinfer.engine.model_store.gguf_metadata import read_metadata
+from deepinfer.engine.model_store.gguf_model import unsupported_type
+from deepinfer.engine.model_store.gguf_weights import _SKIPPED, LAYOUTS, hf_name, unpermute_heads
+from deepinfer.workers.quantization.weight import QuantizedWeight
 
 Q = GGMLQuantizationType
 # qweight, scales and mins (None but for q4), each with one row per output row.

@@ -28,9 +28,9 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from engine import envs
-from kernels.cpu import quant_linear as native
-from workers.quantization.weight import QuantizedWeight
+from deepinfer.engine import envs
+from deepinfer.kernels.cpu import quant_linear as native
+from deepinfer.workers.quantization.weight import QuantizedWeight
 
 SMALL_M = 4  # workers/layers/linear.py's: the decode rows the streaming kernels take
 

@@ -38,8 +38,8 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.protocol import SampledLogprobs
-from workers.sample.sampler import (
+from deepinfer.engine.protocol import SampledLogprobs
+from deepinfer.workers.sample.sampler import (
     Sampler,
     SamplingState,
     argmax_rows,

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from engine.protocol import SampledLogprobs, SamplingParams
+from deepinfer.engine.protocol import SampledLogprobs, SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from workers.sample.sampler import (
+from deepinfer.workers.sample.sampler import (
     Sampler,
     SamplingState,
     argmax_rows,
@@ -93,7 +93,7 @@ class Proposer:
     def forget(self, request_ids: list[str]) -> None:
         """These requests are finished."""
 
-    def copy_blocks(self, pairs: torch.Tensor, to_host: bool) -> None:
+    def copy_blocks(self, pairs: torch.Tensor, save: bool) -> None:
         """Host-tier copies of the proposer's own KV blocks, if it keeps any."""
 
 

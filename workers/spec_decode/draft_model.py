@@ -17,12 +17,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.model_config import FULL, ModelConfig, ModelConfigError
-from workers.attention import SeqSlice, select_backend
-from workers.kv_copy import copy_blocks
-from workers.loader import DTYPES, load_model
-from workers.sample.sampler import Sampler, SamplingState
-from workers.spec_decode.base import (
+from deepinfer.engine.model_config import FULL, ModelConfig, ModelConfigError
+from deepinfer.workers.attention import SeqSlice, select_backend
+from deepinfer.workers.kv_connectors.host_tier import copy_blocks
+from deepinfer.workers.loader import DTYPES, load_model
+from deepinfer.workers.sample.sampler import Sampler, SamplingState
+from deepinfer.workers.spec_decode.base import (
     Draft,
     DraftRequest,
     Proposer,
@@ -53,7 +53,7 @@ class DraftModelProposer(Proposer):
         `dtype`): it has as many blocks as the target's, sized by the target's type."""
         target = ModelConfig.from_dir(target_dir)
         cfg = ModelConfig.from_dir(draft_dir)
-        if not target.kv_cache_spec().layers_of(FULL):
+        if not target.kv_cache_layout().layers_of(FULL):
             raise ModelConfigError("a draft model needs a target with full-attention layers")
         if set(cfg.layer_kinds) != {FULL}:
             raise ModelConfigError("the draft model must use full attention in every layer")
@@ -107,9 +107,9 @@ class DraftModelProposer(Proposer):
             self.tables.pop(rid, None)
             self.states.pop(rid, None)
 
-    def copy_blocks(self, pairs: torch.Tensor, to_host: bool) -> None:
+    def copy_blocks(self, pairs: torch.Tensor, save: bool) -> None:
         """Host-tier copies of the draft's K/V, beside the target's."""
-        copy_blocks(pairs, self.kv, self.host, to_host)
+        copy_blocks(pairs, self.kv, self.host, save)
 
     # ------------------------------------------------------------------ internals
 

@@ -24,17 +24,17 @@ import numpy as np
 import torch
 from torch import nn
 
-from engine.model_config import ModelConfig, ModelConfigError
-from workers.attention import AttentionBackend, SeqSlice, select_backend
-from workers.kv_copy import copy_blocks
-from workers.layers.linear import Linear
-from workers.layers.norm import RMSNorm
-from workers.layers.rotary import RotaryEmbedding
-from workers.loader import DTYPES, load_model
-from workers.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
-from workers.models.moe import moe_or_dense_mlp
-from workers.sample.sampler import Sampler
-from workers.spec_decode.base import (
+from deepinfer.engine.model_config import ModelConfig, ModelConfigError
+from deepinfer.workers.attention import AttentionBackend, SeqSlice, select_backend
+from deepinfer.workers.kv_connectors.host_tier import copy_blocks
+from deepinfer.workers.layers.linear import Linear
+from deepinfer.workers.layers.norm import RMSNorm
+from deepinfer.workers.layers.rotary import RotaryEmbedding
+from deepinfer.workers.loader import DTYPES, load_model
+from deepinfer.workers.models.deepseek_v3 import DeepseekV3DecoderLayer, DeepseekV3ForCausalLM
+from deepinfer.workers.models.moe import moe_or_dense_mlp
+from deepinfer.workers.sample.sampler import Sampler
+from deepinfer.workers.spec_decode.base import (
     Draft,
     DraftRequest,
     ObservedSeq,
@@ -131,7 +131,7 @@ class MtpProposer(Proposer):
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.sampler = sampler
-        k, v = cfg.kv_cache_spec(block_size).layers[0].entry_shapes()
+        k, v = cfg.kv_cache_layout(block_size).layers[0].entry_shapes()
 
         def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
             return (torch.zeros((blocks, block_size, *k), dtype=torch_dtype),
@@ -187,8 +187,8 @@ class MtpProposer(Proposer):
         for rid in request_ids:
             self.last.pop(rid, None)
 
-    def copy_blocks(self, pairs: torch.Tensor, to_host: bool) -> None:
-        copy_blocks(pairs, self.kv, self.host, to_host)
+    def copy_blocks(self, pairs: torch.Tensor, save: bool) -> None:
+        copy_blocks(pairs, self.kv, self.host, save)
 
     # ------------------------------------------------------------------ internals
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import numpy as np
 
+from deepinfer.workers.spec_decode.base import Draft, DraftRequest, Proposer, StepInput
 
-class NgramProposer:
-    """Proposes drafts by suffix lookup; n from `max_n` down to `min_n`, longest match first."""
+
+class NgramProposer(Proposer):
+    """Prompt lookup: no weights, deterministic drafts from each request's own tokens, by suffix
+    lookup; n from `max_n` down to `min_n`, longest match first."""
 
     def __init__(self, min_n: int, max_n: int) -> None:
         if min_n < 1 or max_n < min_n:
@@ -21,7 +24,10 @@ class NgramProposer:
         self.min_n = min_n
         self.max_n = max_n
 
-    def propose(self, tokens: np.ndarray, k: int) -> list[int]:
+    def propose(self, step: list[StepInput], requests: list[DraftRequest]) -> list[Draft]:
+        return [Draft(self.lookup(r.known_tokens(), r.max_drafts)) for r in requests]
+
+    def lookup(self, tokens: np.ndarray, k: int) -> list[int]:
         """Up to k draft tokens for a request whose known tokens (prompt, then outputs; int32) are
         `tokens`: find the longest suffix of length n (max_n down to min_n) that also occurs
         earlier in `tokens`, take its most recent earlier occurrence, and propose the tokens that

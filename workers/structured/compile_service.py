@@ -14,7 +14,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from engine.protocol import GrammarSpec
+from deepinfer.engine.protocol import GrammarSpec
 
 CACHE_ENTRIES = 256  # compiled grammars kept (xgrammar's are tens to hundreds of KB each)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 import xgrammar as xgr
 
-from engine.protocol import GrammarSpec
+from deepinfer.engine.protocol import GrammarSpec
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")

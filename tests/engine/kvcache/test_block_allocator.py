@@ -4,7 +4,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engine.kvcache.block_allocator import BlockAllocator, OutOfBlocks
+from deepinfer.engine.kvcache.block_allocator import BlockAllocator, OutOfBlocks
 
 
 def test_allocate_free_roundtrip():

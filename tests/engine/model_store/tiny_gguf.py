@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from engine.config import DEFAULT_MODEL_NAME
-from engine.model_store import RECIPES, Recipe
-from engine.model_store.gguf_tokenizer import _bytes_to_unicode
-from engine.model_store.recipes import wheel_prefix
+from deepinfer.engine.config import DEFAULT_MODEL_NAME
+from deepinfer.engine.model_store import RECIPES, Recipe
+from deepinfer.engine.model_store.gguf_tokenizer import _bytes_to_unicode
+from deepinfer.engine.model_store.recipes import wheel_prefix
 
 HIDDEN, HEADS, KV_HEADS, FFN, LAYERS = 64, 4, 2, 96, 2
 HEAD_DIM = HIDDEN // HEADS

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.protocol import GrammarSpec, SamplingParams
-from engine.runtime.llm import check_params
+from deepinfer.engine.protocol import GrammarSpec, SamplingParams
+from deepinfer.engine.runtime.llm import check_params
 
 
 def test_ignore_eos_with_a_grammar_is_refused():

@@ -1,27 +1,28 @@
-"""The engine's children import DeepInfer's own packages, whatever the caller's working directory
-and whatever else is on PYTHONPATH (Hugging Face's `kernels` shares our top-level name)."""
+"""DeepInfer is one import package, `deepinfer`, whose subpackages are the repository's top-level
+folders (pyproject.toml's package-dir); nothing of ours shares a name with another distribution
+(Hugging Face's `kernels` has the name of our kernels/ folder), whatever the caller's working
+directory and PYTHONPATH."""
 
 from __future__ import annotations
 
-import os
-import subprocess
+import importlib.metadata
 import sys
 from pathlib import Path
 
 import pytest
 
-from engine import LLM, SamplingParams
-from engine.runtime.launcher import child_argv, child_env
-from engine.runtime.process_entry import PACKAGE_ROOT
+import deepinfer
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.runtime.launcher import child_argv
 
 REPO = Path(__file__).resolve().parents[3]
+FOLDERS = ("engine", "frontend", "workers", "kernels")
 
 
 @pytest.fixture()
 def foreign_kernels(tmp_path) -> Path:
     """A directory holding another distribution's `kernels` package, as HF's would be. Importing
-    it fails loudly (a foreign package without a `cpu` would not: our editable install's finder
-    would still supply `kernels.cpu` under it, by accident)."""
+    it fails loudly."""
     root = tmp_path / "foreign"
     (root / "kernels").mkdir(parents=True)
     (root / "kernels" / "__init__.py").write_text(
@@ -29,12 +30,29 @@ def foreign_kernels(tmp_path) -> Path:
     return root
 
 
-def test_children_put_our_packages_first():
-    assert PACKAGE_ROOT == REPO  # tests run from the checkout
-    env = child_env()
-    assert env["PYTHONPATH"].split(os.pathsep)[0] == str(PACKAGE_ROOT)
+def test_every_folder_is_a_subpackage_of_deepinfer():
+    """pyproject.toml lists each package of the four folders under `deepinfer` (a new folder
+    left out would be missing from the wheel)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {"deepinfer"} | {
+        "deepinfer." + ".".join(p.parent.relative_to(REPO).parts)
+        for folder in FOLDERS for p in (REPO / folder).rglob("__init__.py")}
+    assert set(config["packages"]) == found
+    assert config["package-dir"] == {"deepinfer": "deepinfer",
+                                     **{f"deepinfer.{f}": f for f in FOLDERS}}
+
+
+def test_the_distribution_installs_one_top_level_package():
+    top = importlib.metadata.distribution("deepinfer").read_text("top_level.txt")
+    assert top.split() == ["deepinfer"]
+    assert Path(deepinfer.__file__).parent == REPO / "deepinfer"  # the checkout, editable
+
+
+def test_children_run_the_installed_package_without_the_working_directory():
     argv = child_argv("x")
-    assert argv[0] == sys.executable and argv[-3:] == ["-m", "engine.runtime.process_entry", "x"]
+    assert argv[0] == sys.executable
+    assert argv[-3:] == ["-m", "deepinfer.engine.runtime.process_entry", "x"]
     assert ("-P" in argv) == (sys.version_info >= (3, 11))  # the cwd is not on their path
 
 
@@ -51,14 +69,3 @@ def test_engine_starts_beside_a_foreign_kernels_package(
     finally:
         llm.shutdown()
 
-
-def test_a_shadowed_package_is_one_clear_line(foreign_kernels, tmp_path):
-    # Foreign first on the path: what a child would meet without the launcher's PYTHONPATH.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(foreign_kernels), str(REPO)]))
-    code = "from engine.runtime.process_entry import check_own_packages; check_own_packages()"
-    proc = subprocess.run([sys.executable, "-P", "-c", code], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=60)
-    assert proc.returncode != 0
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("engine.runtime.process_entry.ForeignPackageError: the package "
-                           "'kernels' resolves to") and str(foreign_kernels) in last

@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-from engine.protocol import (
+from deepinfer.engine.protocol import (
     FinishReason,
     SamplingParams,
     StepResult,
     TokenizedRequest,
     pack_ids,
 )
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def config(**kw) -> SchedulerConfig:
@@ -56,17 +56,17 @@ def test_host_swap_ins_count_only_when_a_plan_carries_them():
     add(s, "evictor", list(range(200, 228)), 1)  # 7 blocks: a's blocks go to the host tier
     while s.has_work():
         step(s)
-    assert s.kv.host.blocks_out > 0
+    assert s.stats().host_blocks_out > 0
     add(s, "hog", list(range(300, 312)), 40)  # holds 3+ blocks while it decodes
     step(s)
     add(s, "a-again", first, 1)  # its host blocks would fit, the rest of its prompt would not
     for _ in range(5):
         step(s)
     assert s.requests["a-again"].status.name == "WAITING"
-    assert s.kv.host.blocks_in == 0 and s.stats().host_blocks_in == 0
+    assert s.stats().host_blocks_in == 0 and s.stats().host_blocks_in == 0
     while s.has_work():
         step(s)
-    assert s.kv.host.blocks_in > 0
+    assert s.stats().host_blocks_in > 0
 
 
 def test_a_stop_string_finish_seeds_the_prefix_cache():

@@ -4,7 +4,7 @@ nothing behind."""
 
 from __future__ import annotations
 
-from engine.protocol import FinishReason, GrammarSpec, SamplingParams
+from deepinfer.engine.protocol import FinishReason, GrammarSpec, SamplingParams
 from tests.engine.scheduler.test_scheduler import add, make, run_step
 
 REGEX = GrammarSpec("regex", "[ab]+")

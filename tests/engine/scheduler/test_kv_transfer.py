@@ -4,19 +4,20 @@ model, no processes (tests/e2e/test_disaggregation.py runs the real thing)."""
 
 from __future__ import annotations
 
-from engine.kv_spec import FULL, SLIDING, KVGroup
-from engine.protocol import (
+from deepinfer.engine.kv_layout import FULL, SLIDING, KVGroup
+from deepinfer.engine.protocol import (
     FinishReason,
     KVTransferDone,
     KVTransferParams,
     SamplingParams,
     StepResult,
     TokenizedRequest,
+    TransferWork,
     pack_ids,
     unpack_ids,
 )
-from engine.request import Status
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.request import Status
+from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 BS = 4
 PROMPT = list(range(10, 10 + 4 * BS + 2))  # 18 tokens: 4 full blocks and 2 in a fifth
@@ -45,6 +46,17 @@ def run(s: Scheduler, tokens: list[int] | None = None):
     return step, s.update(step, StepResult(step.plan.step_id, pack_ids((tokens or [7]) * n)))
 
 
+def transfer(s: Scheduler):
+    """The scheduler's prefill/decode transfer connector."""
+    (found,) = [c for c in s.connectors if c.name == "transfer"]
+    return found
+
+
+def work(step) -> TransferWork:
+    """The transfer connector's entry in a step plan (an empty one when it has none)."""
+    return step.plan.connectors.get("transfer", TransferWork())
+
+
 def free(s: Scheduler) -> int:
     return s.kv.num_reusable()
 
@@ -65,32 +77,32 @@ def test_a_prefill_holds_its_blocks_until_every_rank_confirms():
     assert len(held.block_ids[0]) == 5  # the prompt's 5 blocks (room for no more)
     # Held blocks are not reusable (the prefix cache has the 4 full ones too, locked).
     assert free(s) == 32 - 5
-    s.kv_transfer_done(KVTransferDone(held.transfer_id, rank=0, blocks=5, bytes=100))
-    assert free(s) == 32 - 5 and s.transfer.pending == 1
-    s.kv_transfer_done(KVTransferDone(held.transfer_id, rank=1, blocks=5, bytes=100))
-    assert free(s) == 32 and s.transfer.pending == 0
+    s.connector_report(KVTransferDone(held.transfer_id, rank=0, blocks=5, bytes=100))
+    assert free(s) == 32 - 5 and transfer(s).pending == 1
+    s.connector_report(KVTransferDone(held.transfer_id, rank=1, blocks=5, bytes=100))
+    assert free(s) == 32 and transfer(s).pending == 0
     assert s.stats().kv_transfer_blocks == 5 and s.stats().kv_transfer_bytes == 200
     # The next plan tells the ranks to refuse late reads of it.
     s.add(TokenizedRequest("q", pack_ids([5, 6, 7]), SamplingParams(max_tokens=1)))
     step, _ = run(s)
-    assert step.plan.kv_released == [held.transfer_id]
+    assert work(step).released == [held.transfer_id]
 
 
 def test_held_blocks_are_freed_after_the_hold_timeout_or_a_client_abort():
     s = make(hold=5.0)
     clock = Clock()
-    s.transfer.clock = clock
+    transfer(s).clock = clock
     first = prefill(s, "a")
     clock.now = 3.0
     prefill(s, "b", [99] + PROMPT[1:])
     clock.now = 5.5  # "a" timed out, "b" not yet
     step = s.schedule()  # nothing to compute: the ranks learn of "b" and forget "a"
-    assert not step.plan.seqs and [h.transfer_id for h in step.plan.kv_held] == ["b"]
-    assert step.plan.kv_released == [first.transfer_id]
-    assert list(s.transfer.held) == ["b"] and s.transfer.expired == 1
+    assert not step.plan.seqs and [h.transfer_id for h in work(step).held] == ["b"]
+    assert work(step).released == [first.transfer_id]
+    assert list(transfer(s).held) == ["b"] and transfer(s).expired == 1
     s.abort(["b"])  # its client went away: nothing will pull it
-    assert free(s) == 32 and not s.transfer.held
-    assert s.transfer.take_plan()[2] == ["b"]
+    assert free(s) == 32 and not transfer(s).held
+    assert transfer(s).plan_entry().released == ["b"]
 
 
 def test_the_ranks_learn_which_blocks_a_transfer_holds_in_the_next_plan():
@@ -98,10 +110,10 @@ def test_the_ranks_learn_which_blocks_a_transfer_holds_in_the_next_plan():
     names them (the first plan even with nothing to compute)."""
     s = make()
     held = prefill(s)
-    assert s.transfer.has_plan()
+    assert transfer(s).has_plan()
     step = s.schedule()
     assert step is not None and not step.plan.seqs
-    (hold,) = step.plan.kv_held
+    (hold,) = work(step).held
     assert hold.transfer_id == held.transfer_id
     assert [unpack_ids(b).tolist() for b in hold.blocks] == held.block_ids
 
@@ -131,7 +143,7 @@ def decode_request(s: Scheduler, held: KVTransferParams, rid: str = "d", max_tok
 
 
 def pulled(step) -> list[list[tuple[int, int]]]:
-    (pull,) = step.plan.kv_pulls
+    (pull,) = work(step).pulls
     return [unpack_ids(b).reshape(-1, 2).tolist() for b in pull.blocks]
 
 
@@ -149,7 +161,7 @@ def test_a_decode_pulls_the_prompt_then_runs_from_the_first_token():
     assert len(req.tables[0]) == 5  # 18 prompt tokens + the first token fit in 5 blocks
     d.update(step, StepResult(step.plan.step_id, b""))
     assert d.schedule() is None  # still receiving: nothing runs
-    delta = d.kv_transfer_done(KVTransferDone("d", rank=0, blocks=5, bytes=80, seconds=0.01))
+    delta = d.connector_report(KVTransferDone("d", rank=0, blocks=5, bytes=80, seconds=0.01))
     assert unpack_ids(delta.token_ids).tolist() == [42] and delta.prompt_tokens == len(PROMPT)
     step, _ = run(d, [43])
     (seq,) = step.plan.seqs
@@ -190,9 +202,9 @@ def test_a_failed_pull_fails_the_request_and_frees_its_blocks():
     p, d = make(), make(ranks=2)
     decode_request(d, prefill(p))
     d.schedule()
-    assert d.kv_transfer_done(KVTransferDone("d", rank=1, error="no answer")) is None
+    assert d.connector_report(KVTransferDone("d", rank=1, error="no answer")) is None
     assert free(d) < 32  # rank 0 may still be writing
-    delta = d.kv_transfer_done(KVTransferDone("d", rank=0, blocks=5))
+    delta = d.connector_report(KVTransferDone("d", rank=0, blocks=5))
     assert delta.finish_reason == FinishReason.ERROR and "no answer" in delta.error
     assert free(d) == 32 and "d" not in d.requests
 
@@ -205,9 +217,9 @@ def test_an_abort_during_the_pull_frees_blocks_once_the_ranks_stop_writing():
     d.abort(["d"])
     assert free(d) < 32  # the rank may be writing into them
     step = d.schedule()  # nothing to compute, but the ranks must hear of it
-    assert step is not None and step.plan.finished == ["d"]
-    assert d.kv_transfer_done(KVTransferDone("d", rank=0, cancelled=True)) is None
-    assert free(d) == 32 and not d.transfer.receiving
+    assert step is not None and work(step).cancels == ["d"]
+    assert d.connector_report(KVTransferDone("d", rank=0, cancelled=True)) is None
+    assert free(d) == 32 and not transfer(d).receiving
 
 
 def test_kv_computed_for_another_prompt_is_refused():
@@ -218,7 +230,7 @@ def test_kv_computed_for_another_prompt_is_refused():
     held = prefill(p, prompt=[99] + PROMPT[1:])
     refused = decode_request(d, held)
     assert refused.finish_reason == FinishReason.ERROR and "another prompt" in refused.error
-    assert not d.transfer.receiving and d.kv.cache.num_cached_blocks == 0
+    assert not transfer(d).receiving and d.kv.cache.num_cached_blocks == 0
 
 
 def test_a_first_token_outside_the_vocabulary_is_refused():
@@ -242,13 +254,13 @@ def test_an_abort_before_admission_releases_the_prefill_servers_hold():
     run(d)  # "big" holds 6 of the 8 blocks
     decode_request(d, held)
     step, _ = run(d)  # no room for the decode's 5 blocks: it waits
-    assert d.requests["d"].status == Status.WAITING and not step.plan.kv_pulls
+    assert d.requests["d"].status == Status.WAITING and not work(step).pulls
     d.abort(["d"])
     step = d.schedule()
-    (pull,) = step.plan.kv_pulls
+    (pull,) = work(step).pulls
     assert (pull.request_id, pull.transfer_id, pull.abandon, pull.blocks) == \
         ("d", held.transfer_id, True, [])
-    assert d.transfer.receiving == {}  # nothing of ours is being written
+    assert transfer(d).receiving == {}  # nothing of ours is being written
 
 
 def test_a_mismatched_or_incomplete_transfer_is_refused_up_front():

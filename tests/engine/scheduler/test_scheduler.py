@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.protocol import (
+from deepinfer.engine.protocol import (
     FinishReason,
     SamplingParams,
     StepResult,
@@ -10,7 +10,7 @@ from engine.protocol import (
     pack_ids,
     unpack_ids,
 )
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_blocks=64, block_size=4, budget=32, chunk=16, max_seqs=8, ctx=1024, eos=(2,)):

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids
-from engine.scheduler.scheduler import Scheduler, SchedulerConfig
+from deepinfer.engine.protocol import SamplingParams, StepResult, TokenizedRequest, pack_ids
+from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 
 EOS = 2
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.tokenizer.detokenizer import IncrementalDetokenizer
-from engine.tokenizer.tokenizer import Tokenizer
+from deepinfer.engine.tokenizer.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
@@ -65,8 +65,8 @@ def test_ids_past_the_vocabulary_do_not_break_the_stream(tok):
 
 
 def test_a_template_error_is_a_request_error_not_a_crash(default_model):
-    from engine.protocol import ChatMessage, GenerateRequest, SamplingParams
-    from engine.tokenizer.tokenizer_process import TokenizerService
+    from deepinfer.engine.protocol import ChatMessage, GenerateRequest, SamplingParams
+    from deepinfer.engine.tokenizer.tokenizer_process import TokenizerService
 
     tok = Tokenizer(str(default_model))  # its own: the template is broken on purpose
     tok.chat_template = "{{ messages[0].nonexistent.deeper }}"
@@ -97,8 +97,8 @@ def sentencepiece_dir(tmp_path_factory):
 
 
 def test_sentencepiece_completion_keeps_its_leading_space(sentencepiece_dir):
-    from engine.protocol import GenerateRequest, SamplingParams, TokenDelta, pack_ids
-    from engine.tokenizer.tokenizer_process import TokenizerService
+    from deepinfer.engine.protocol import GenerateRequest, SamplingParams, TokenDelta, pack_ids
+    from deepinfer.engine.tokenizer.tokenizer_process import TokenizerService
 
     tok = Tokenizer(str(sentencepiece_dir))
     prompt = "The capital of France is"
@@ -113,14 +113,14 @@ def test_sentencepiece_completion_keeps_its_leading_space(sentencepiece_dir):
 
 def test_tokens_after_a_stop_string_in_one_delta_are_dropped(tok):
     """A speculative step returns several tokens: the output ends at the stop string."""
-    from engine.protocol import (
+    from deepinfer.engine.protocol import (
         GenerateRequest,
         SampledLogprobs,
         SamplingParams,
         TokenDelta,
         pack_ids,
     )
-    from engine.tokenizer.tokenizer_process import TokenizerService
+    from deepinfer.engine.tokenizer.tokenizer_process import TokenizerService
 
     service = TokenizerService(tok, 1024)
     service.tokenize(GenerateRequest("r", SamplingParams(stop=[" END"], logprobs=0),

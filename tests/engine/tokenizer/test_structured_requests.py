@@ -9,7 +9,7 @@ import json
 
 import pytest
 
-from engine.protocol import (
+from deepinfer.engine.protocol import (
     ChatMessage,
     FinishReason,
     GenerateRequest,
@@ -18,8 +18,8 @@ from engine.protocol import (
     TokenDelta,
     pack_ids,
 )
-from engine.tokenizer.tokenizer import Tokenizer
-from engine.tokenizer.tokenizer_process import TokenizerService
+from deepinfer.engine.tokenizer.tokenizer import Tokenizer
+from deepinfer.engine.tokenizer.tokenizer_process import TokenizerService
 
 REGEX = SamplingParams(grammar=GrammarSpec("regex", "a+"))
 TOOLS = [{"type": "function", "function": {"name": "get_time", "description": "Time now.",
@@ -90,7 +90,7 @@ def test_a_template_that_renders_tools_gets_them(tok):
 
 
 def test_tool_fields_travel_in_chat_messages():
-    from engine.tokenizer.tokenizer import chat_dict
+    from deepinfer.engine.tokenizer.tokenizer import chat_dict
 
     msg = ChatMessage("tool", "12:00", tool_call_id="c1")
     assert chat_dict(msg) == {"role": "tool", "content": "12:00", "tool_call_id": "c1"}

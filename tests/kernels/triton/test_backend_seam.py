@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 import torch
 
+from deepinfer.workers.attention import AttentionMetadata, SeqSlice, select_backend
+from deepinfer.workers.attention.torch_backend import TorchAttention
+from deepinfer.workers.attention.triton_backend import TritonAttention, TritonMetadata
 from tests.kernels.triton.device import DEVICE, check
-from workers.attention import AttentionMetadata, SeqSlice, select_backend
-from workers.attention.torch_backend import TorchAttention
-from workers.attention.triton_backend import TritonAttention, TritonMetadata
 
 PLANS = {  # (start, new tokens, verify, key_from, write_from) per seq
     "mixed": [(9, 1, False, 0, 0), (14, 3, True, 0, 0), (0, 7, False, 0, 0),
@@ -68,8 +68,8 @@ def test_mla_with_triton_metadata_matches_torch(plan_name: str, monkeypatch) -> 
     """workers/attention/mla.py: with the Triton backend's metadata, the decode rows attend
     through kernels/triton/mla_decode.py; the result is the torch path's (prefill chunks take
     the same expanded path under either)."""
-    from kernels.triton import mla_decode
-    from workers.attention.mla import mla_attention
+    from deepinfer.kernels.triton import mla_decode
+    from deepinfer.workers.attention.mla import mla_attention
 
     launches = []
     kernel = mla_decode.mla_decode_attention

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu.attention import paged_decode_attention_ref as cpu_ref
-from kernels.triton.decode_attention import (
+from deepinfer.kernels.cpu.attention import paged_decode_attention_ref as cpu_ref
+from deepinfer.kernels.triton.decode_attention import (
     default_num_splits,
     paged_decode_attention,
     paged_decode_attention_ref,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.bitmask import apply_token_bitmask, apply_token_bitmask_ref
-from kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_ref
-from kernels.triton.silu_mul import silu_and_mul, silu_and_mul_ref
+from deepinfer.kernels.triton.bitmask import apply_token_bitmask, apply_token_bitmask_ref
+from deepinfer.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_ref
+from deepinfer.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_ref
 from tests.kernels.triton.device import DEVICE, DTYPES, check, scaled, tolerance
 
 

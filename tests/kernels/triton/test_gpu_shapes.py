@@ -7,11 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.bitmask import apply_token_bitmask, apply_token_bitmask_ref
-from kernels.triton.decode_attention import paged_decode_attention, paged_decode_attention_ref
-from kernels.triton.prefill_attention import prefill_attention, prefill_attention_ref
-from kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_ref
-from kernels.triton.silu_mul import silu_and_mul, silu_and_mul_ref
+from deepinfer.kernels.triton.bitmask import apply_token_bitmask, apply_token_bitmask_ref
+from deepinfer.kernels.triton.decode_attention import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+)
+from deepinfer.kernels.triton.prefill_attention import prefill_attention, prefill_attention_ref
+from deepinfer.kernels.triton.rmsnorm import add_rms_norm, add_rms_norm_ref
+from deepinfer.kernels.triton.silu_mul import silu_and_mul, silu_and_mul_ref
 from tests.kernels.triton.device import DTYPES, ON_GPU, check, scaled, tolerance
 from tests.kernels.triton.paged_cases import free_below, make_cache
 from tests.kernels.triton.test_mla_decode import run_case as run_mla_case

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.mla_decode import mla_decode_attention, mla_decode_attention_ref
+from deepinfer.kernels.triton.mla_decode import mla_decode_attention, mla_decode_attention_ref
 from tests.kernels.triton.device import DEVICE, DTYPES, check, tolerance
 from tests.kernels.triton.paged_cases import free_below, make_cache
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.prefill_attention import prefill_attention, prefill_attention_ref
+from deepinfer.kernels.triton.prefill_attention import prefill_attention, prefill_attention_ref
 from tests.kernels.triton.device import DEVICE, DTYPES, check, tolerance
 from tests.kernels.triton.paged_cases import free_below, make_cache
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.triton.rotary_kv import rope_store_kv, rope_store_kv_ref
+from deepinfer.kernels.triton.rotary_kv import rope_store_kv, rope_store_kv_ref
 from tests.kernels.triton.device import DEVICE, DTYPES, check, tolerance
 
 

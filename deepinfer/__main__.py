@@ -1,0 +1,7 @@
+"""`python -m deepinfer ...`: the `deepinfer` command."""
+
+import sys
+
+from deepinfer.frontend.cli import main
+
+sys.exit(main())

@@ -1,0 +1,118 @@
+"""The KV-connector seam, scheduler half (vLLM's shape): somewhere outside the device cache that
+holds KV blocks, or that KV blocks come from (host memory, another server's cache).
+
+The scheduler and the KV manager hold a list of connectors and know none by name; every hook
+has a do-nothing default, so a connector implements only what it takes part in:
+- prefix tiers (the KV manager's hooks): be offered a full-attention block the prefix cache is
+  about to evict (`on_evict`); continue a prefix hit with consecutive blocks it holds (`match`
+  gives their handles, `plan_load` pairs each with the device block allocated for it,
+  `cancel_loads` withdraws the loads of a request that could not be admitted after all);
+- requests whose KV lives outside (the scheduler's hooks): refuse one up front (`check`),
+  admit one without computing its prompt (`admit`), take part in its end (`finished`: keep its
+  blocks, say where they are), and turn the workers' reports into the request going on or
+  failing (`report`);
+- every step: the plan's entry for its worker half (`plan_entry`, engine/protocol.py
+  KVConnectorMeta), whether a plan must go out for it alone (`has_plan`), timers (`expire`,
+  `next_deadline`), and its counters (`fill_stats`).
+The worker halves (workers/kv_connectors/) run the entries before the forward. No torch here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer.engine.protocol import (
+    KVConnectorMeta,
+    KVTransferDone,
+    KVTransferParams,
+    SampledLogprobs,
+    SamplingParams,
+    SchedulerStats,
+)
+from deepinfer.engine.request import Request, Status
+
+
+@dataclass
+class Arrival:
+    """A request's KV from outside is in place: it runs on from these output tokens (and their
+    logprobs); or it cannot be had (`error`), its blocks already freed."""
+
+    req: Request
+    tokens: list[int]
+    logprobs: list[SampledLogprobs]
+    error: str | None = None
+
+
+class KVConnector:
+    name = ""  # its key in StepPlan.connectors
+
+    # ------------------------------------------------------------------ prefix tiers
+
+    def on_evict(self, tokens, device_block: int) -> None:
+        """`tokens` (every token through the block) are about to lose `device_block`."""
+
+    def match(self, tokens, start: int, end: int) -> list[int]:
+        """Handles of the blocks that continue a hit at `start`, up to `end` tokens; pinned
+        until the plan being built is taken."""
+        return []
+
+    def plan_load(self, handle: int, device_block: int) -> None:
+        raise NotImplementedError
+
+    def cancel_loads(self, device_blocks: list[int]) -> None:
+        """Forget the planned loads into these device blocks."""
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, prompt: np.ndarray, params: SamplingParams) -> str | None:
+        """Why a new request can never run here (None: it can, as far as this one knows)."""
+        return None
+
+    def admit(self, req: Request) -> bool | None:
+        """Admit a waiting request whose KV comes from outside: True (its blocks allocated, it
+        waits for them: RECEIVING), False (not now: no room), None (not this one's request)."""
+        return None
+
+    def finished(self, req: Request, status: Status, logprobs: SampledLogprobs | None
+                 ) -> tuple[bool, KVTransferParams | None]:
+        """`req` ends (`req.finish_reason`), `status` being what it was. Returns whether this
+        connector keeps its blocks (it frees them later itself), and what its last output
+        should say about them."""
+        return False, None
+
+    def abort(self, request_id: str) -> bool:
+        """A client left after its request ended here: drop what this connector keeps for it
+        (True when it kept something)."""
+        return False
+
+    def report(self, msg: KVTransferDone) -> Arrival | None:
+        """A worker rank's report about this connector's work; an outcome once it is whole
+        (None also for a request aborted meanwhile: its blocks are freed, nobody to tell)."""
+        return None
+
+    # ------------------------------------------------------------------ every step
+
+    def has_plan(self) -> bool:
+        """Work waits for the workers: a plan goes out for it even with nothing to compute."""
+        return False
+
+    def plan_entry(self) -> KVConnectorMeta | None:
+        """This step's work for the worker half (taken: the next call starts afresh)."""
+        return None
+
+    def expire(self) -> None:
+        """Let go of what waited too long."""
+
+    def next_deadline(self) -> float | None:
+        return None
+
+    @property
+    def pending(self) -> int:
+        """Transfers held or in flight."""
+        return 0
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        """Set this connector's counters in the scheduler's snapshot."""
+

@@ -1,0 +1,137 @@
+"""Tiny random Hugging Face checkpoints of every supported architecture, for tests and benchmarks
+(reference models: transformers builds and saves them; DeepInfer loads them)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from deepinfer.engine.config import DEFAULT_MODEL_NAME
+from deepinfer.engine.envs import cache_dir
+from deepinfer.engine.model_store import prepare
+
+# arch -> transformers' class prefix (Qwen2: q/k/v biases; Qwen3: qk-norm)
+# arch -> (transformers config class, model class) name prefixes
+TINY_ARCHS = {"llama": ("Llama", "Llama"), "mistral": ("Mistral", "Mistral"),
+              "qwen2": ("Qwen2", "Qwen2"), "qwen3": ("Qwen3", "Qwen3"),
+              "qwen3_moe": ("Qwen3Moe", "Qwen3Moe"), "qwen2_moe": ("Qwen2Moe", "Qwen2Moe"),
+              "mixtral": ("Mixtral", "Mixtral"), "gemma3": ("Gemma3Text", "Gemma3"),
+              "deepseek_v3": ("DeepseekV3", "DeepseekV3"),
+              "deepseek_v4": ("DeepseekV4", "DeepseekV4")}
+# 4 experts, top-2, 32 wide (Mixtral's experts take intermediate_size); dense Qwen MoE layers
+# keep the base intermediate_size.
+_QWEN_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+MOE_DEFAULTS = {
+    "qwen3_moe": _QWEN_MOE,
+    "qwen2_moe": dict(_QWEN_MOE, shared_expert_intermediate_size=48),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=32),
+    # MLA (a q bottleneck, a 16-wide latent, 8 rope + 8 nope dims, 12-wide values), layer 0
+    # dense, then 8 routed experts in 4 groups (top-2 within the best 2 groups) + 1 shared.
+    "deepseek_v3": dict(num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=16,
+                        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                        moe_intermediate_size=16, n_shared_experts=1, first_k_dense_replace=1,
+                        routed_scaling_factor=2.5, tie_word_embeddings=False),
+    # A window of 8; CSA every 2 tokens (3 picked by the indexer) and HCA every 8, small
+    # rates so that every path runs in a short prompt; 8 index heads, so that a tie at zero
+    # (every head's ReLU 0) rarely decides a pick; 2 residual streams; one hash-routed
+    # MoE layer; 8 experts, top 2 (intermediate_size is V4's expert width).
+    "deepseek_v4": dict(num_key_value_heads=1, head_dim=32, q_lora_rank=24, intermediate_size=16,
+                        n_routed_experts=8, num_experts_per_tok=2, sliding_window=8,
+                        o_groups=2, o_lora_rank=16, index_n_heads=8, index_head_dim=16,
+                        index_topk=3, partial_rotary_factor=0.25, hc_mult=2,
+                        compress_rates={"compressed_sparse_attention": 2,
+                                        "heavily_compressed_attention": 8},
+                        num_hidden_layers=4,
+                        layer_types=["sliding_attention", "compressed_sparse_attention",
+                                     "heavily_compressed_attention",
+                                     "compressed_sparse_attention"],
+                        mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+                        tie_word_embeddings=False),
+}
+
+
+def save_tiny_model(out: Path, arch: str = "llama", tokenizer_from: Path | None = None,
+                    **overrides) -> Path:
+    """Save a tiny random HF model with the default model's tokenizer (real chat template;
+    `tokenizer_from`: its directory, else the default model prepared in DeepInfer's cache)."""
+    import torch
+    import transformers
+
+    base = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=136,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=2,
+        rms_norm_eps=1e-5,
+    )
+    base.update(MOE_DEFAULTS.get(arch, {}))
+    base.update(overrides)
+    if arch in ("qwen3", "gemma3"):
+        base.setdefault("head_dim", 16)
+    if arch == "gemma3":  # sandwich norms, GeGLU, scaled embeddings, per-kind RoPE
+        base.setdefault("query_pre_attn_scalar", 24)
+        base.setdefault("rms_norm_eps", 1e-6)
+    config_prefix, model_prefix = TINY_ARCHS[arch]
+    cfg = getattr(transformers, f"{config_prefix}Config")(**base)
+    cls = getattr(transformers, f"{model_prefix}ForCausalLM")
+    torch.manual_seed(base.get("seed", 0) if "seed" in base else 0)
+    model = cls(cfg).to(torch.float32).eval()
+    # Random init is small; widen the logit spread so greedy choices are decisive.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.mul_(4.0)
+        # Zero at init (real values come from checkpoints): the tests would prove little.
+        for name, t in [*model.named_buffers(), *model.named_parameters()]:
+            if name.endswith("e_score_correction_bias"):
+                t.copy_(torch.randn(t.shape) * 0.1)
+            elif name.endswith(("sinks", "position_bias")):
+                t.copy_(torch.randn(t.shape))
+            elif name.endswith("tid2eid"):  # each token's experts, distinct
+                t.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[: t.shape[1]]
+                                     for _ in range(t.shape[0])]))
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    src = tokenizer_from or prepare(DEFAULT_MODEL_NAME, cache_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def add_mtp_weights(model_dir: Path, seed: int = 1) -> None:
+    """Give a tiny DeepSeek-V3 checkpoint one random MTP layer (HF drops them on save), named as
+    DeepSeek's checkpoints name it: `model.layers.{num_hidden_layers}.*`."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoConfig
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+
+    cfg = AutoConfig.from_pretrained(str(model_dir))
+    n, hidden = cfg.num_hidden_layers, cfg.hidden_size
+    torch.manual_seed(seed)
+    layer = DeepseekV3DecoderLayer(cfg, n).float()
+    tensors = {}
+    for name, t in list(layer.state_dict().items()):
+        t = torch.randn(t.shape) * (0.1 if t.dim() > 1 else 0.02)
+        if name.endswith("layernorm.weight"):
+            t = 1.0 + t
+        tensors[name] = t
+    tensors.update({
+        "enorm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "hnorm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "eh_proj.weight": 0.1 * torch.randn(hidden, 2 * hidden),
+        "embed_tokens.weight": torch.randn(cfg.vocab_size, hidden),
+        "shared_head.norm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "shared_head.head.weight": 0.2 * torch.randn(cfg.vocab_size, hidden),
+    })
+    save_file({f"model.layers.{n}.{k}": v.contiguous() for k, v in tensors.items()},
+              str(model_dir / "model-mtp.safetensors"))

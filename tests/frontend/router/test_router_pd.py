@@ -1,0 +1,374 @@
+"""The prefill/decode router (frontend/router/pd.py) in front of stub prefill and decode servers
+that record what they are sent and answer as `deepinfer serve --disaggregation-mode ...` does;
+no model, no engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from deepinfer.engine.trust import ROUTER_HEADER, check_router_proof
+from deepinfer.frontend.router.app import build_router_app
+from deepinfer.frontend.router.pd import PDRouter
+from deepinfer.frontend.router.policy import Policy
+from scripts.server_process import free_port
+
+KEY = "sk-pd-test"
+SECRET = "pd-router-test-secret"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BAD_REQUEST = {"error": {"message": "prompt is bad", "type": "invalid_request_error",
+                         "param": "prompt", "code": None}}
+DECODED = {"id": "cmpl-d", "object": "text_completion", "served_by": "decode",
+           "choices": [{"index": 0, "text": "ABC", "finish_reason": "length"}],
+           "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}}
+EVENTS = [f'data: {{"choices": [{{"index": 0, "text": "{t}"}}]}}' for t in "ABC"]
+
+
+class Upstream:
+    """A stand-in for one prefill or decode server: records each body (as bytes) and the
+    Authorization header it is sent. A prefill server answers a prompt containing "bad" with a
+    400 and one containing "eos" without kv_transfer_params (it ended on its first token); a
+    decode server holds one containing "hold" until its client (the router) leaves, and records
+    whether it did (`left`); `fail_with` makes every completion answer that status."""
+
+    def __init__(self, role: str) -> None:
+        self.role, self.bodies, self.auth, self.proofs = role, [], [], []
+        self.left: list[bool] = []
+        self.fail_with: int | None = None
+
+    def sent(self) -> list[dict]:
+        return [json.loads(b) for b in self.bodies]
+
+    async def complete(self, request: Request) -> Response:
+        raw = await request.body()
+        self.bodies.append(raw)
+        self.auth.append(request.headers.get("authorization"))
+        # Whether the router proved it wrote this body (as a real server checks it).
+        self.proofs.append(check_router_proof(SECRET.encode(), request.url.path, raw,
+                                              request.headers.get(ROUTER_HEADER)))
+        if self.fail_with:
+            return JSONResponse({"error": {"message": "overloaded"}}, self.fail_with)
+        try:
+            body = json.loads(raw)
+        except ValueError:
+            body = None
+        if not isinstance(body, dict):
+            return JSONResponse(BAD_REQUEST, 400)
+        if self.role == "decode" and "hold" in json.dumps(body.get("prompt")):
+            self.left.append(await client_left(request, within=10))
+        return self.prefill(body) if self.role == "prefill" else self.decode(body)
+
+    def prefill(self, body: dict) -> Response:
+        prompt = json.dumps(body.get("prompt") or body.get("messages"))
+        if "bad" in prompt:
+            return JSONResponse(BAD_REQUEST, 400)
+        answer = {"id": "cmpl-p", "choices": [{"index": 0, "text": "A", "finish_reason": "length"}]}
+        if "eos" not in prompt:
+            answer["kv_transfer_params"] = {
+                "do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 7001,
+                "transfer_id": f"t-{len(self.bodies)}", "blocks": [[3, 4], [5]]}
+        return JSONResponse(answer)
+
+    def decode(self, body: dict) -> Response:
+        if not body.get("stream"):
+            return JSONResponse(DECODED)
+
+        async def events():
+            for event in [*EVENTS, "data: [DONE]"]:
+                yield f"{event}\n\n".encode()
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    def app(self) -> Starlette:
+        async def health(request: Request) -> Response:
+            return JSONResponse({"status": "ok"})
+
+        return Starlette(routes=[Route("/v1/completions", self.complete, methods=["POST"]),
+                                 Route("/v1/chat/completions", self.complete, methods=["POST"]),
+                                 Route("/health", health)])
+
+
+async def client_left(request: Request, within: float) -> bool:
+    """Whether the client of `request` (its body read) disconnects within `within` seconds."""
+    async def disconnect() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    try:
+        await asyncio.wait_for(disconnect(), within)
+    except asyncio.TimeoutError:
+        return False
+    return True
+
+
+class Served:
+    """An ASGI app on a real local socket, in a thread."""
+
+    def __init__(self, app: Starlette) -> None:
+        sock = socket.socket()
+        sock.bind(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
+                                       daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "did not start"
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster_secret():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("DEEPINFER_CLUSTER_SECRET", SECRET)
+        yield
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    stubs = {"prefill": Upstream("prefill"), "decode": Upstream("decode")}
+    served = {name: Served(stub.app()) for name, stub in stubs.items()}
+    yield stubs, {name: s.url for name, s in served.items()}
+    for s in served.values():
+        s.stop()
+
+
+@pytest.fixture()
+def stubs(upstreams):
+    stubs, _ = upstreams
+    for stub in stubs.values():
+        stub.bodies.clear()
+        stub.auth.clear()
+        stub.proofs.clear()
+        stub.left.clear()
+    return stubs
+
+
+def start_router(prefill: list[str], decode: list[str], **kwargs) -> tuple[Served, PDRouter]:
+    router = PDRouter(prefill, decode, Policy(), **kwargs)
+    return Served(build_router_app(router)), router
+
+
+@pytest.fixture(scope="module")
+def router(upstreams):
+    _, urls = upstreams
+    served, _ = start_router([urls["prefill"]], [urls["decode"]], api_key=KEY)
+    yield served.url
+    served.stop()
+
+
+def post(router: str, path: str, body: dict | bytes, **kwargs) -> httpx.Response:
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    return httpx.post(f"{router}{path}", content=content, timeout=30,
+                      headers={**AUTH, "content-type": "application/json"}, **kwargs)
+
+
+def metric(router: str, name: str, labels: str = "") -> float:
+    text = httpx.get(f"{router}/metrics", timeout=10).text
+    found = re.search(rf"^{name}{re.escape(labels)} ([0-9.e+]+)$", text, re.M)
+    return float(found[1]) if found else 0.0
+
+
+def pd_count(router: str, path: str) -> float:
+    return metric(router, "deepinfer_router_pd_requests_total", f'{{path="{path}"}}')
+
+
+def test_a_request_is_prefilled_then_decoded_with_the_prefill_servers_kv_params(stubs, router):
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}
+    before = pd_count(router, "disaggregated")
+    r = post(router, "/v1/completions", body)
+    assert r.status_code == 200 and r.json() == DECODED
+    [prefill] = stubs["prefill"].sent()
+    assert prefill == {**body, "max_tokens": 1, "stream": False,
+                       "kv_transfer_params": {"do_remote_decode": True}}
+    [decode] = stubs["decode"].sent()
+    handed_over = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 7001,
+                   "transfer_id": "t-1", "blocks": [[3, 4], [5]]}
+    assert decode == {**body, "kv_transfer_params": handed_over}
+    assert stubs["prefill"].auth == stubs["decode"].auth == [AUTH["Authorization"]]
+    # Both bodies the router wrote carry its proof (the servers take the field only then).
+    assert stubs["prefill"].proofs == stubs["decode"].proofs == [True]
+    assert pd_count(router, "disaggregated") == before + 1
+
+
+def test_a_chat_stream_is_relayed_and_the_prefill_request_is_not_streamed(stubs, router):
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+            "stream_options": {"include_usage": True}, "max_completion_tokens": 20}
+    with httpx.stream("POST", f"{router}/v1/chat/completions", json=body, headers=AUTH,
+                      timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    assert lines == [*EVENTS, "data: [DONE]"]
+    [prefill] = stubs["prefill"].sent()
+    assert prefill == {"model": "m", "messages": body["messages"], "stream": False,
+                       "max_completion_tokens": 1, "max_tokens": 1,
+                       "kv_transfer_params": {"do_remote_decode": True}}
+    [decode] = stubs["decode"].sent()
+    assert decode.pop("kv_transfer_params")["do_remote_prefill"] is True
+    assert decode == body  # stream and stream_options as the client sent them
+
+
+def test_a_prefill_answer_without_kv_params_falls_back_to_the_original_request(stubs, router):
+    body = {"model": "m", "prompt": "this one stops at eos", "max_tokens": 8, "stream": True}
+    before = pd_count(router, "fallback")
+    with httpx.stream("POST", f"{router}/v1/completions", json=body, headers=AUTH,
+                      timeout=30) as r:
+        lines = [line for line in r.iter_lines() if line]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]"
+    assert len(stubs["prefill"].bodies) == 1
+    assert stubs["decode"].sent() == [body]  # unchanged: no kv_transfer_params
+    assert stubs["decode"].proofs == [False]  # nor the router's proof
+    assert pd_count(router, "fallback") == before + 1
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": "m", "prompt": "p", "n": 2, "max_tokens": 8}),
+    ("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 1}),
+    ("/v1/completions", {"model": "m", "prompt": ["one", "two"], "max_tokens": 8}),
+    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "p"}],
+                              "max_tokens": 9, "max_completion_tokens": 1}),
+    ("/v1/completions", b"{not json"),
+    ("/v1/completions", b"[1, 2]"),
+])
+def test_requests_the_split_cannot_serve_go_unchanged_to_a_decode_server(stubs, router, path,
+                                                                          body):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = post(router, path, content)
+    assert r.status_code in (200, 400)
+    assert stubs["prefill"].bodies == []
+    assert stubs["decode"].bodies == [content]  # byte for byte
+
+
+@pytest.mark.parametrize("max_tokens", [1, 16])
+def test_a_clients_kv_transfer_params_are_refused_before_anything_is_sent(stubs, router,
+                                                                          max_tokens):
+    """The field is the router's: a client that sets it (the prefix-cache poisoning repro went
+    through the one-token fallback, straight to a decode server) gets a 400 naming it."""
+    r = post(router, "/v1/completions", {
+        "model": "m", "prompt": "p", "max_tokens": max_tokens,
+        "kv_transfer_params": {"do_remote_prefill": True, "addresses": ["tcp://evil:1#n"]}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "kv_transfer_params"
+    assert stubs["prefill"].bodies == [] and stubs["decode"].bodies == []
+
+
+def test_a_prefill_servers_400_reaches_the_client_unchanged(stubs, router):
+    r = post(router, "/v1/completions", {"model": "m", "prompt": "a bad prompt"})
+    assert r.status_code == 400 and r.json() == BAD_REQUEST
+    assert len(stubs["prefill"].bodies) == 1 and stubs["decode"].bodies == []
+
+
+def test_the_api_key_is_checked_before_anything_is_sent(stubs, router):
+    r = httpx.post(f"{router}/v1/completions", json={"model": "m", "prompt": "x"}, timeout=10)
+    assert r.status_code == 401
+    assert stubs["prefill"].bodies == [] and stubs["decode"].bodies == []
+
+
+def test_health_and_metrics_show_both_pools(stubs, router, upstreams):
+    _, urls = upstreams
+    health = httpx.get(f"{router}/health", timeout=10)
+    assert health.status_code == 200 and health.json() == {
+        "healthy_replicas": 2, "replicas": 2, "prefill": {"healthy": 1, "replicas": 1},
+        "decode": {"healthy": 1, "replicas": 1}}
+    for role in ("prefill", "decode"):
+        labels = f'{{replica="{urls[role]}",role="{role}"}}'
+        assert metric(router, "deepinfer_router_replica_role", labels) == 1.0
+
+
+@pytest.mark.parametrize("failure", ["stopped", "503"])
+def test_a_failing_prefill_server_is_skipped_for_the_next_one(stubs, upstreams, failure):
+    _, urls = upstreams
+    broken = Upstream("prefill")
+    served = Served(broken.app())
+    # Health checks far apart: the router learns of the failure from the request itself.
+    router, pd = start_router([served.url, urls["prefill"]], [urls["decode"]],
+                              health_interval=3600)
+    try:
+        if failure == "stopped":
+            served.stop()
+            time.sleep(0.3)  # the health loop's first round is over: no check until the request
+            pd.prefill[0].healthy = True  # as between two checks
+        else:
+            broken.fail_with = 503
+        r = post(router.url, "/v1/completions", {"model": "m", "prompt": "retry me"})
+        assert r.status_code == 200 and r.json() == DECODED
+        assert len(stubs["prefill"].bodies) == 1  # the healthy prefill server took it over
+        assert stubs["decode"].sent()[0]["kv_transfer_params"]["transfer_id"] == "t-1"
+        assert metric(router.url, "deepinfer_router_retries_total") == 1.0
+        assert len(broken.bodies) == (failure == "503")
+        healthy = httpx.get(f"{router.url}/health", timeout=10).json()["prefill"]["healthy"]
+        assert healthy == (1 if failure == "stopped" else 2)  # unreachable: out of rotation
+    finally:
+        router.stop()
+        served.stop()
+
+
+def test_without_a_decode_server_nothing_is_prefilled(stubs, upstreams):
+    _, urls = upstreams
+    router, _ = start_router([urls["prefill"]], [f"http://127.0.0.1:{free_port()}"])
+    try:
+        health = httpx.get(f"{router.url}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json()["decode"] == {"healthy": 0, "replicas": 1}
+        r = post(router.url, "/v1/completions", {"model": "m", "prompt": "x", "max_tokens": 4})
+        assert r.status_code == 503 and r.json()["error"]["message"] == "no healthy replica"
+        assert stubs["prefill"].bodies == []  # no KV held for a decode server that is not there
+    finally:
+        router.stop()
+
+
+def test_without_a_prefill_server_decode_servers_compute_the_prompt(stubs, upstreams):
+    _, urls = upstreams
+    router, _ = start_router([f"http://127.0.0.1:{free_port()}"], [urls["decode"]])
+    try:
+        health = httpx.get(f"{router.url}/health", timeout=10)
+        assert health.status_code == 503
+        assert health.json()["prefill"] == {"healthy": 0, "replicas": 1}
+        body = {"model": "m", "prompt": "x", "max_tokens": 4}
+        r = post(router.url, "/v1/completions", body)
+        assert r.status_code == 200 and stubs["decode"].sent() == [body]
+        assert pd_count(router.url, "fallback") == 1
+    finally:
+        router.stop()
+
+
+def test_a_client_that_goes_away_drops_its_request_on_the_decode_server(stubs, router,
+                                                                        upstreams):
+    """As with one pool (tests/e2e/test_router_disconnect.py): the router closes its request to
+    the decode server, which then aborts it; nothing is left in flight."""
+    _, urls = upstreams
+    body = json.dumps({"model": "m", "prompt": "hold until the client leaves",
+                       "max_tokens": 16}).encode()
+    head = ["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1", f"Authorization: Bearer {KEY}",
+            "Content-Type: application/json", f"Content-Length: {len(body)}"]
+    port = int(router.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        deadline = time.monotonic() + 30
+        while not stubs["decode"].bodies:  # prefilled, now held by the decode server
+            assert time.monotonic() < deadline, "the request never reached the decode server"
+            time.sleep(0.01)
+        sock.shutdown(socket.SHUT_RDWR)
+    deadline = time.monotonic() + 30
+    while not stubs["decode"].left:
+        assert time.monotonic() < deadline, "the decode server is still holding the request"
+        time.sleep(0.01)
+    assert stubs["decode"].left == [True]
+    labels = f'{{replica="{urls["decode"]}"}}'
+    assert metric(router, "deepinfer_router_in_flight", labels) == 0.0

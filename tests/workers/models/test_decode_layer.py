@@ -1,0 +1,94 @@
+"""The one-call native decode layer against the model's Python layers, step by step."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.protocol import (
+    NewRequestInfo,
+    SamplingParams,
+    ScheduledSeq,
+    StepPlan,
+    pack_ids,
+)
+from deepinfer.kernels.cpu import decode_layer as cpu_decode_layer
+from scripts.tiny_models import save_tiny_model
+
+pytestmark = pytest.mark.skipif(
+    not cpu_decode_layer.available(), reason=f"not built: {cpu_decode_layer.build_error()}"
+)
+
+
+def prompt_then_decodes(prompts: dict[str, list[int]], steps: int,
+                        rng: np.random.Generator) -> list[StepPlan]:
+    """One step prefilling every prompt (10 blocks a request), then `steps` decode steps."""
+    tables = {rid: np.arange(10 * i, 10 * i + 10, dtype=np.int32) for i, rid in enumerate(prompts)}
+
+    def seq(rid: str, tokens: list[int], start: int) -> ScheduledSeq:
+        return ScheduledSeq(rid, pack_ids(tokens), start, [tables[rid].tobytes()], True)
+
+    news = [NewRequestInfo(rid, pack_ids(p), SamplingParams(max_tokens=20))
+            for rid, p in prompts.items()]
+    plans = [StepPlan(0, [seq(rid, p, 0) for rid, p in prompts.items()], new_requests=news)]
+    for step in range(steps):
+        plans.append(StepPlan(step + 1, [seq(rid, [int(rng.integers(3, 40000))], len(p) + step)
+                                         for rid, p in prompts.items()]))
+    return plans
+
+
+@pytest.mark.parametrize("arch,overrides", [
+    ("llama", {}),
+    ("mistral", dict(sliding_window=7)),  # every layer sliding: window bounds per row
+    ("qwen2", dict(num_key_value_heads=2)),  # q/k/v biases
+])
+@pytest.mark.parametrize("batch", [2, 6])  # small-M kernel / oneDNN-packed linears
+@pytest.mark.parametrize("copies", ["both", "packed", "plain"])  # weight copies kept
+def test_matches_python_layers(tmp_path, arch: str, overrides: dict, batch: int,
+                               copies: str) -> None:
+    from deepinfer.workers.model_runner import ModelRunner
+
+    model_dir = save_tiny_model(tmp_path, arch, **overrides)
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4,  # 10 a request
+                       cpu_linear_weights=copies)
+    fast, slow = ModelRunner(cfg), ModelRunner(cfg)
+    assert fast.model.model.fast_layers, "the one-call decode layer should be in use"
+    slow.model.model.fast_layers = None  # the Python layers
+
+    rng = np.random.default_rng(0)
+    prompts = {f"r{i}": rng.integers(3, 40000, int(rng.integers(5, 22))).tolist()
+               for i in range(batch)}
+    for plan in prompt_then_decodes(prompts, 12, rng):
+        ours = fast.all_logits(plan)
+        ref = slow.all_logits(plan)
+        assert (ours - ref).abs().max().item() < 1e-4, f"step {plan.step_id}"
+    for (k_fast, v_fast), (k_slow, v_slow) in zip(fast.kv_caches, slow.kv_caches):
+        torch.testing.assert_close(k_fast, k_slow, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v_fast, v_slow, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("quantization,batch", [("int8", 3), ("fp8", 3), ("int8", 6)])
+def test_quantized_weights_match_python_layers(tmp_path, quantization: str, batch: int) -> None:
+    """Quantized linears inside the one-call layer against the Python layers calling the same
+    kernels one by one: at most 4 rows (the small-M kernels), and 6 (int8: the int8 GEMM; the
+    one-call layer takes int8 weights at any batch)."""
+    from deepinfer.workers.model_runner import ModelRunner
+
+    model_dir = save_tiny_model(tmp_path, "qwen2", num_key_value_heads=2, intermediate_size=128)
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=64, block_size=4,
+                       quantization=quantization)
+    fast, slow = ModelRunner(cfg), ModelRunner(cfg)
+    assert fast.model.model.fast_layers, "the one-call decode layer should be in use"
+    assert fast.model.model.layers[0].mlp.down_proj.quant.weight.kind == quantization
+    slow.model.model.fast_layers = None
+    rng = np.random.default_rng(1)
+    prompts = {f"r{i}": rng.integers(3, 40000, 9).tolist() for i in range(batch)}
+    model, one_call = fast.model.model, []
+    inner = model._decode_fast
+    model._decode_fast = lambda *a: one_call.append(1) or inner(*a)
+    for plan in prompt_then_decodes(prompts, 7, rng):
+        ours, ref = fast.all_logits(plan), slow.all_logits(plan)
+        assert (ours - ref).abs().max().item() < 1e-4, f"step {plan.step_id}"
+    assert len(one_call) == 7  # every decode step went through the one-call layer

@@ -1,0 +1,60 @@
+"""The host tier, worker half: before each forward, run the copies the scheduler half
+(engine/kvcache/connectors/host_tier.py) put in the plan: saves (device -> host) first, then
+loads (host -> device), over the full-attention entries, and the same for every other holder of
+KV in the target's blocks (a proposer's own cache)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from deepinfer.engine.protocol import HostTierCopies, unpack_ids
+from deepinfer.workers.kv_connectors.base import WorkerConnector
+
+KVPair = tuple[torch.Tensor, torch.Tensor]
+# Another holder's copies: (pairs, save) as copy_blocks takes them.
+Copier = Callable[[torch.Tensor, bool], None]
+
+
+def copy_blocks(pairs: torch.Tensor, device: Sequence[KVPair], host: Sequence[KVPair],
+                save: bool) -> None:
+    """pairs [n, 2] int64: (device block, host block) when `save`, else (host, device). The
+    scheduler never repeats a target block within one plan: an indexed copy with repeated
+    targets keeps either source."""
+    for dev_kv, host_kv in zip(device, host):
+        for dev, hst in zip(dev_kv, host_kv):
+            src, dst = (dev, hst) if save else (hst, dev)
+            # Each index where its tensor is; the gathered blocks cross once (a GPU cache and
+            # its host tier), blocking, since the next statement reads them.
+            rows = src.index_select(0, pairs[:, 0].to(src.device))
+            dst.index_copy_(0, pairs[:, 1].to(dst.device), rows.to(dst.device))
+
+
+def host_pairs(device: Sequence[KVPair], blocks: int) -> list[KVPair]:
+    """A host pool of `blocks` blocks shaped like each device pair, pinned beside a GPU
+    (page-locked memory is what the GPU copies to and from directly)."""
+    def like(t: torch.Tensor) -> torch.Tensor:
+        return torch.zeros((blocks, *t.shape[1:]), dtype=t.dtype, device="cpu",
+                           pin_memory=t.is_cuda)
+    return [(like(k), like(v)) for k, v in device]
+
+
+class HostTierWorker(WorkerConnector):
+    name = "host_tier"
+
+    def __init__(self, device: list[KVPair], host_blocks: int,
+                 others: Sequence[Copier] = ()) -> None:
+        self.device = device  # the full-attention entries
+        self.host = host_pairs(device, host_blocks)
+        self.others = list(others)
+
+    def before_forward(self, entry: HostTierCopies) -> None:
+        for packed, save in ((entry.saves, True), (entry.loads, False)):
+            if not packed:
+                continue
+            pairs = torch.from_numpy(unpack_ids(packed).astype(np.int64)).view(-1, 2)
+            copy_blocks(pairs, self.device, self.host, save)
+            for copy in self.others:
+                copy(pairs, save)
