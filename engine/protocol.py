@@ -13,7 +13,11 @@ from typing import Annotated
 import msgspec
 import numpy as np
 
+from deepinfer.engine.statistics import COUNTER, GAUGE, PER_POSITION, PHASE, stat
+
 _STRUCT = dict(array_like=True, omit_defaults=True, gc=False)
+# Every PHASE statistic is one label (its name without _seconds) of this counter.
+PHASE_METRIC = "deepinfer_step_phase_seconds"
 # What fits the int32 arrays ids travel in (a peer's larger id is refused where it enters).
 Int32 = Annotated[int, msgspec.Meta(ge=0, le=2**31 - 1)]
 
@@ -185,47 +189,95 @@ KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
 
 
 class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
-    """A snapshot the scheduler publishes after each step (for /metrics and tests)."""
+    """A snapshot the scheduler publishes after each step. Each statistic is declared here
+    once (`stat`, engine/statistics.py): /metrics and the progress log line come from it."""
 
-    num_running: int = 0
-    num_waiting: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0  # free or reclaimable (cached blocks no request uses)
-    kv_blocks_cached: int = 0
-    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
-    prefix_cache_hits: int = 0  # of which found
-    prefix_cache_evictions: int = 0  # blocks evicted from the prefix cache
-    replayed_tokens: int = 0  # tokens recomputed to rebuild sliding windows after hits
-    swa_snapshot_hits: int = 0  # hits that resumed sliding layers from a window snapshot
-    swa_snapshots: int = 0  # window snapshots the prefix cache holds now
-    host_blocks_used: int = 0
-    host_blocks_out: int = 0  # blocks copied to the host tier (evictions kept)
-    host_blocks_in: int = 0  # blocks copied back on a hit
-    # Prefill/decode disaggregation: KV blocks and bytes sent (prefill) or received (decode),
-    # finished transfers, their seconds (sum, and counts per bucket of
-    # KV_TRANSFER_BUCKETS), and transfers held or in flight now.
-    kv_transfer_blocks: int = 0
-    kv_transfer_bytes: int = 0
-    kv_transfer_count: int = 0
-    kv_transfer_seconds: float = 0.0
-    kv_transfer_buckets: list[int] = []
-    kv_transfers_pending: int = 0
-    spec_verify_steps: int = 0  # (request, step) pairs that verified at least one draft
-    spec_draft_tokens: int = 0  # draft tokens proposed and verified
-    spec_accepted_tokens: int = 0  # of which the target accepted
-    spec_drafts_by_position: list[int] = []  # drafts proposed at draft position 0, 1, ...
-    spec_accepted_by_position: list[int] = []  # accepted at draft position 0, 1, ...
-    num_preemptions: int = 0
-    num_steps: int = 0
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    # Cumulative seconds per phase of a step (for /metrics and the engine-overhead figure).
-    schedule_seconds: float = 0.0  # scheduler: picking the batch, building the plan
-    update_seconds: float = 0.0  # scheduler: applying results
-    wait_seconds: float = 0.0  # scheduler: waiting for the workers (IPC + compute)
-    forward_seconds: float = 0.0  # worker: model forward
-    sample_seconds: float = 0.0  # worker: sampling
-    detokenize_seconds: float = 0.0  # tokenizer: detokenization and stop strings
+    num_running: Annotated[int, stat("requests being computed", GAUGE,
+                                     "deepinfer_num_requests_running", log="running")] = 0
+    num_waiting: Annotated[int, stat("requests waiting for a slot", GAUGE,
+                                     "deepinfer_num_requests_waiting", log="waiting")] = 0
+    kv_blocks_total: Annotated[int, stat("KV cache blocks in total", GAUGE,
+                                         "deepinfer_kv_blocks_total", log="KV blocks")] = 0
+    # Free or reclaimable (cached blocks no request uses).
+    kv_blocks_free: Annotated[int, stat("KV cache blocks free", GAUGE,
+                                        "deepinfer_kv_blocks_free", log="free")] = 0
+    kv_blocks_cached: Annotated[int, stat("blocks held by the prefix cache", GAUGE,
+                                          "deepinfer_kv_blocks_cached")] = 0
+    prefix_cache_queries: Annotated[int, stat(
+        "prompt tokens looked up in the prefix cache", COUNTER,
+        "deepinfer_prefix_cache_queries_tokens")] = 0
+    prefix_cache_hits: Annotated[int, stat(
+        "prompt tokens served from the prefix cache", COUNTER,
+        "deepinfer_prefix_cache_hits_tokens")] = 0
+    prefix_cache_evictions: Annotated[int, stat(
+        "blocks evicted from the prefix cache", COUNTER,
+        "deepinfer_prefix_cache_evictions_blocks")] = 0
+    replayed_tokens: Annotated[int, stat(
+        "tokens recomputed to rebuild sliding windows after prefix hits", COUNTER,
+        "deepinfer_swa_replayed_tokens")] = 0
+    swa_snapshot_hits: Annotated[int, stat(
+        "prefix hits that resumed the sliding layers from a window snapshot", COUNTER,
+        "deepinfer_swa_snapshot_hits")] = 0
+    swa_snapshots: Annotated[int, stat(
+        "sliding-window snapshots held by the prefix cache", GAUGE,
+        "deepinfer_swa_snapshots")] = 0
+    host_blocks_used: Annotated[int, stat("host-tier blocks in use", GAUGE,
+                                          "deepinfer_host_kv_blocks_used")] = 0
+    host_blocks_out: Annotated[int, stat("blocks copied to the host tier", COUNTER,
+                                         "deepinfer_host_kv_blocks_out")] = 0
+    host_blocks_in: Annotated[int, stat("blocks copied back from the host tier", COUNTER,
+                                        "deepinfer_host_kv_blocks_in")] = 0
+    # Prefill/decode disaggregation: what was sent (prefill) or received (decode). Finished
+    # transfers' count, seconds and counts per bucket of KV_TRANSFER_BUCKETS make the
+    # deepinfer_kv_transfer_seconds histogram (frontend/server/metrics.py).
+    kv_transfer_blocks: Annotated[int, stat("KV blocks transferred", COUNTER,
+                                            "deepinfer_kv_transfer_blocks")] = 0
+    kv_transfer_bytes: Annotated[int, stat("KV bytes transferred (all ranks)", COUNTER,
+                                           "deepinfer_kv_transfer_bytes")] = 0
+    kv_transfer_count: Annotated[int, stat("KV transfers finished", COUNTER)] = 0
+    kv_transfer_seconds: Annotated[float, stat("seconds of finished KV transfers",
+                                               COUNTER)] = 0.0
+    kv_transfer_buckets: Annotated[list[int], stat(
+        "finished KV transfers per bucket of seconds", PER_POSITION)] = []
+    kv_transfers_pending: Annotated[int, stat(
+        "KV transfers under way: prompts held for a decode server (prefill) or being pulled "
+        "(decode)", GAUGE, "deepinfer_kv_transfers_pending")] = 0
+    spec_verify_steps: Annotated[int, stat(
+        "(request, step) pairs that verified at least one draft", COUNTER,
+        "deepinfer_spec_decode_verify_steps")] = 0
+    spec_draft_tokens: Annotated[int, stat("draft tokens verified", COUNTER,
+                                           "deepinfer_spec_decode_draft_tokens")] = 0
+    spec_accepted_tokens: Annotated[int, stat("draft tokens the target model accepted",
+                                              COUNTER, "deepinfer_spec_decode_accepted_tokens")
+                                    ] = 0
+    spec_drafts_by_position: Annotated[list[int], stat(
+        "draft tokens verified at each draft position", PER_POSITION,
+        "deepinfer_spec_decode_draft_tokens_per_position")] = []
+    spec_accepted_by_position: Annotated[list[int], stat(
+        "draft tokens accepted at each draft position", PER_POSITION,
+        "deepinfer_spec_decode_accepted_tokens_per_position")] = []
+    num_preemptions: Annotated[int, stat("requests preempted", COUNTER,
+                                         "deepinfer_num_preemptions")] = 0
+    num_steps: Annotated[int, stat("scheduler steps", COUNTER, "deepinfer_engine_steps")] = 0
+    # The server counts finished requests' tokens itself (deepinfer_prompt_tokens, ...).
+    prompt_tokens_total: Annotated[int, stat("prompt tokens computed", COUNTER,
+                                             log="prompt tok/s")] = 0
+    generation_tokens_total: Annotated[int, stat("tokens generated", COUNTER,
+                                                 log="gen tok/s")] = 0
+    # Cumulative seconds per phase of a step (engine overhead = everything but forward).
+    schedule_seconds: Annotated[float, stat(
+        "scheduler: picking the batch, building the plan", PHASE, PHASE_METRIC,
+        log="schedule")] = 0.0
+    update_seconds: Annotated[float, stat("scheduler: applying results", PHASE, PHASE_METRIC,
+                                          log="update")] = 0.0
+    wait_seconds: Annotated[float, stat("scheduler: waiting for the workers (IPC + compute)",
+                                        PHASE, PHASE_METRIC)] = 0.0
+    forward_seconds: Annotated[float, stat("worker: model forward", PHASE, PHASE_METRIC,
+                                           log="forward")] = 0.0
+    sample_seconds: Annotated[float, stat("worker: sampling", PHASE, PHASE_METRIC,
+                                          log="sample")] = 0.0
+    detokenize_seconds: Annotated[float, stat(
+        "tokenizer: detokenization and stop strings", PHASE, PHASE_METRIC)] = 0.0
 
 
 class OutputBatch(msgspec.Struct, tag=True, **_STRUCT):

@@ -31,6 +31,7 @@ from deepinfer.engine.protocol import (
 from deepinfer.engine.runtime.ipc import plan_sender, pull, push
 from deepinfer.engine.runtime.process_entry import ChildContext
 from deepinfer.engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
+from deepinfer.engine.statistics import progress_line
 
 log = logging.getLogger("deepinfer.scheduler")
 
@@ -170,21 +171,13 @@ class SchedulerLoop:
         self._log_progress()
 
     def _log_progress(self, every: float = 10.0) -> None:
-        """A line every `every` seconds of activity: throughput and where step time went."""
+        """A line every `every` seconds of activity: throughput, queues and where step time went
+        (the statistics SchedulerStats declares with a log label)."""
         now, s = time.monotonic(), self.stats
         then, old = self._logged
         if now - then < every:
             return
-        steps = max(1, s.num_steps - old.num_steps)
-        per_step = {name: (getattr(s, f"{name}_seconds") - getattr(old, f"{name}_seconds"))
-                    * 1e3 / steps for name in ("schedule", "update", "forward", "sample")}
-        log.info(
-            "%.1f gen tok/s, %.1f prompt tok/s | running %d waiting %d | KV free %d/%d | "
-            "per step ms: schedule %.2f update %.2f forward %.1f sample %.2f",
-            (s.generation_tokens_total - old.generation_tokens_total) / (now - then),
-            (s.prompt_tokens_total - old.prompt_tokens_total) / (now - then),
-            s.num_running, s.num_waiting, s.kv_blocks_free, s.kv_blocks_total,
-            per_step["schedule"], per_step["update"], per_step["forward"], per_step["sample"])
+        log.info("%s", progress_line(old, s, now - then))
         self._logged = (now, msgspec.structs.replace(s))
 
     def _await_result(self, step_id: int) -> StepResult:
