@@ -16,16 +16,28 @@ import msgspec
 from deepinfer.engine import envs
 from deepinfer.engine.kv_layout import KV, KVCacheLayout
 from deepinfer.engine.model_config import FULL, SLIDING, ModelConfig, ModelConfigError
+from deepinfer.engine.model_registry import tensor_parallel_architectures
+from deepinfer.engine.settings import Annotated, check_settings, setting
 
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
            "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS", "DEVICES",
-           "KV_CACHE_DTYPES"]
+           "KV_CACHE_DTYPES", "MODEL_DTYPES", "SWA_REPLAYS", "CPU_LINEAR_WEIGHTS"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("zmq", "nixl")
+# --dtype: the model's weights and activations (workers/loader.py maps them to torch dtypes).
+MODEL_DTYPES = ("float32", "float16", "bfloat16")
+# --swa-replay: after a prefix hit, sliding-window layers rebuild their window by replaying
+# tokens: "window" replays W tokens (bounded, approximate beyond the first sliding layer);
+# "exact" replays sliding_layers * W tokens (identical to a cold run).
+SWA_REPLAYS = ("window", "exact")
+# --cpu-linear-weights: copies of each linear weight on CPU: both (fastest at every batch
+# size, 2x memory), packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto
+# (both while the second copy costs at most an eighth of RAM).
+CPU_LINEAR_WEIGHTS = ("auto", "both", "packed", "plain")
 # --quantization: weights as stored (none: float, dequantizing a quantized checkpoint), int8
 # (weight-only, per output channel, quantized at load) or fp8 (e4m3, 128 x 128 block scales).
 QUANTIZATIONS = ("none", "int8", "fp8")
@@ -41,92 +53,134 @@ _NEEDS_SECRET = ("{what} needs the cluster secret, the same on {who}: set "
                  "DEEPINFER_CLUSTER_SECRET, or --cluster-secret-file FILE")
 # What `pip install 'deepinfer[nixl]'` (nixl-cu12) or `pip install nixl` (both) put in place.
 _NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
-TENSOR_PARALLEL_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM",
-                                 "Qwen3ForCausalLM", "MixtralForCausalLM", "Qwen2MoeForCausalLM",
-                                 "Qwen3MoeForCausalLM")
 # More drafts than this are almost never accepted and make every verify step wider.
 MAX_SPECULATIVE_TOKENS = 16
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
+    """Every engine setting, declared once: its type, default, help (the `deepinfer serve` /
+    `generate` flag --name-with-dashes and the offline `LLM` keyword share it) and the values it
+    takes (`setting`, engine/settings.py); every construction refuses the rest, by flag."""
+
+    # The model: a HF-layout directory, a GGUF file or a named model (frontend/cli.py's --model
+    # lists the names).
     model: str = "default"
-    served_model_name: str | None = None
-    dtype: str = "float32"
-    kv_cache_dtype: str = "auto"  # KV_CACHE_DTYPES
-    block_size: int = 16
+    served_model_name: Annotated[str | None, setting(
+        "model name in the API (default: the directory's name)")] = None
+    dtype: Annotated[str, setting(
+        "the model's dtype, weights and activations: float32 (default), float16, bfloat16; the "
+        "KV cache's too unless --kv-cache-dtype says otherwise", MODEL_DTYPES)] = "float32"
+    kv_cache_dtype: Annotated[str, setting(
+        "what the KV cache stores: auto (--dtype, default), float32, float16 or bfloat16 (half "
+        "the bytes of float32: twice the tokens per --kv-cache-gb, faster decode attention; "
+        "attention computes in float32)", KV_CACHE_DTYPES)] = "auto"
+    block_size: Annotated[int, setting("tokens per KV block", at_least=1)] = 16
     # KV cache size: an explicit block count wins over a memory budget.
-    num_kv_blocks: int | None = None
-    kv_cache_gb: float = 1.0
-    max_num_seqs: int = 64
+    num_kv_blocks: Annotated[int | None, setting(
+        "KV cache size in blocks (overrides --kv-cache-gb)", at_least=1)] = None
+    kv_cache_gb: Annotated[float, setting("KV cache budget in GiB", positive=True)] = 1.0
+    max_num_seqs: Annotated[int, setting("most requests in one batch", at_least=1)] = 64
     # 256 keeps ITL p99 under 3x its median at 64 concurrent requests on 2 cores (BENCHMARKS.md).
-    max_num_batched_tokens: int = 256
-    # Longest prefill chunk one request may take in a step (chunked prefill).
-    prefill_chunk_size: int = 512
-    max_model_len: int | None = None
-    tensor_parallel_size: int = 1
-    # Multi-node: the worker ranks spread evenly over `nnodes` hosts; node 0 runs the API
-    # server, tokenizer and scheduler too. `dist_init_addr` (HOST:PORT on node 0, or
-    # MASTER_ADDR / MASTER_PORT) is the torch.distributed rendezvous; the scheduler's plans
-    # to the ranks go to the ports after it.
-    # With several ranks: each holds whole experts of every MoE layer (tokens reach them
-    # through one all-reduce) and the dense layers replicated, instead of tensor parallelism.
-    enable_expert_parallel: bool = False
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: str | None = None
-    enable_prefix_caching: bool = True
-    # Host-memory tier for blocks evicted from the prefix cache (0: off).
-    host_kv_cache_gb: float = 0.0
-    # After a prefix hit, sliding-window layers rebuild their window by replaying tokens:
+    max_num_batched_tokens: Annotated[int, setting(
+        "token budget of one step (default 256: on a small CPU it keeps inter-token latency "
+        "steady while prompts are prefilled)", at_least=1)] = 256
+    prefill_chunk_size: Annotated[int, setting(
+        "longest prefill chunk of one request in a step", at_least=1)] = 512
+    max_model_len: Annotated[int | None, setting(
+        "context length (default: the model's)", at_least=1)] = None
+    tensor_parallel_size: Annotated[int, setting(
+        "worker ranks sharing the model (tensor parallelism)", at_least=1)] = 1
+    enable_expert_parallel: Annotated[bool, setting(
+        "with --tensor-parallel-size N: split each MoE layer's experts whole over the ranks, "
+        "dense layers replicated (default off: tensor parallelism)")] = False
+    # Multi-node: the worker ranks spread evenly over the hosts; node 0 runs the API server,
+    # tokenizer and scheduler too; the scheduler's plans to the ranks go to the ports after
+    # the rendezvous's.
+    nnodes: Annotated[int, setting(
+        "hosts the worker ranks spread over (default 1)", at_least=1)] = 1
+    node_rank: Annotated[int, setting(
+        "this host's index among --nnodes; node 0 runs the API server", at_least=0)] = 0
+    dist_init_addr: Annotated[str | None, setting(
+        "HOST:PORT of node 0 for the ranks' rendezvous (multi-node; default "
+        "MASTER_ADDR:MASTER_PORT)")] = None
+    enable_prefix_caching: Annotated[bool, setting(
+        "reuse KV of shared prompt prefixes (default on)")] = True
+    host_kv_cache_gb: Annotated[float, setting(
+        "host-memory tier for evicted prefix-cache blocks (0: off)", at_least=0)] = 0.0
     # "window" replays W tokens (bounded, approximate beyond the first sliding layer);
     # "exact" replays sliding_layers * W tokens (identical to a cold run).
-    swa_replay: str = "window"
-    # Sliding-window snapshots inside long prompts, every this many tokens (rounded down to a
-    # block): a hit between two replays from the nearest one. None: every window W (then a hit
-    # along a cached prompt always finds one within W, and replays from it exactly); 0: only at
-    # the ends of prompts and requests.
-    swa_snapshot_interval: int | None = None
-    # Plan step N+1 while the workers compute step N (see engine/scheduler_process.py).
-    overlap_scheduling: bool = True
-    seed: int = 0
-    device: str = "auto"  # DEVICES
-    # GPU: no CUDA graphs (every decode step launches its kernels one by one).
-    enforce_eager: bool = False
-    worker_threads: int | None = None
-    # Copies of each linear weight on CPU: both (fastest at every batch size, 2x memory),
-    # packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto (both while
-    # the second copy costs at most an eighth of RAM). int8 / 4-bit weights: the integer
-    # GEMM's repacked copy is the second one (kept with both).
-    cpu_linear_weights: str = "auto"
-    # Linear weights (QUANTIZATIONS); None: as the checkpoint has them (an fp8 checkpoint's
-    # config says so, a GGUF's tensors keep their types, anything else stays float).
-    quantization: str | None = None
-    # Speculative decoding: None (off), "ngram" (prompt lookup), "draft" (a smaller model with
-    # the same tokenizer, --speculative-model) or "mtp" (the model's own multi-token heads).
-    speculative_method: str | None = None
-    num_speculative_tokens: int = 3  # drafts per step (3: a batch-1 verify is 4 rows)
-    speculative_model: str | None = None
-    ngram_min: int = 2  # shortest suffix n-gram looked up in the request's own tokens
-    ngram_max: int = 4
-    # No speculation in a step with more running requests than this (None: no limit).
-    speculative_disable_by_batch_size: int | None = None
-    # Structured output: a grammar that takes longer to compile is refused (a 400), and so is
-    # one whose text (schema, regex, EBNF, choices) is longer than this many bytes.
-    grammar_compile_timeout: float = 20.0
-    grammar_max_bytes: int = 65536
-    # Prefill/decode disaggregation (engine/kvcache/transfer.py): "prefill" serves the KV of
-    # finished prompts to decode servers, "decode" pulls it; either still serves ordinary
-    # requests. The workers' transfer sockets bind on kv_transfer_host (reachable by peers).
-    disaggregation_mode: str = "none"
-    kv_transfer_host: str = "127.0.0.1"
-    # Decode: a pull that gets no answer for this long fails its request. Prefill: blocks no
-    # decode server pulled are freed after kv_hold_timeout.
-    kv_transfer_timeout: float = 30.0
-    kv_hold_timeout: float = 120.0
-    # How KV blocks move between servers: "zmq" (over the transfer sockets themselves, works
-    # anywhere) or "nixl" (NIXL READs, workers/kv_connectors/transfer/nixl_transport.py; an extra).
-    kv_transfer_backend: str = "zmq"
+    swa_replay: Annotated[str, setting(
+        "sliding-window rebuild after a prefix hit: window (W tokens) or exact",
+        SWA_REPLAYS)] = "window"
+    # None: every window W (then a hit along a cached prompt always finds one within W, and
+    # replays from it exactly).
+    swa_snapshot_interval: Annotated[int | None, setting(
+        "keep a sliding-window snapshot every this many prompt tokens (default: the window W; "
+        "0: only where prompts and requests end)", at_least=0)] = None
+    overlap_scheduling: Annotated[bool, setting(
+        "plan the next step while the workers compute (default on)")] = True
+    seed: Annotated[int, setting("engine seed")] = 0
+    device: Annotated[str, setting(
+        "where the workers compute: auto (a CUDA GPU per rank when torch sees one, else the "
+        "CPU; default), cpu, cuda", DEVICES)] = "auto"
+    enforce_eager: Annotated[bool, setting(
+        "GPU: run decode steps without CUDA graphs (default: graphs for decode-only steps of "
+        "the Llama family on one GPU)")] = False
+    worker_threads: Annotated[int | None, setting(
+        "intra-op threads per worker (default: its cores)", at_least=1)] = None
+    # int8 / 4-bit weights: the integer GEMM's repacked copy is the second one (kept with both).
+    cpu_linear_weights: Annotated[str, setting(
+        "copies of each linear weight on CPU: both (fastest, 2x memory), packed, plain, or auto "
+        "(both while cheap, default)", CPU_LINEAR_WEIGHTS)] = "auto"
+    # None: as the checkpoint has them (an fp8 checkpoint's config says so, a GGUF's tensors
+    # keep their types, anything else stays float).
+    quantization: Annotated[str | None, setting(
+        "linear weights: int8 (weight-only, per channel, quantized at load), fp8 (e4m3 block "
+        "scales), none (float; dequantizes a quantized checkpoint); default: as the checkpoint "
+        "stores them (a GGUF keeps its types)", QUANTIZATIONS)] = None
+    speculative_method: Annotated[str | None, setting(
+        "speculative decoding: ngram (prompt lookup), draft (a smaller model, "
+        "--speculative-model) or mtp (the model's multi-token heads); default off",
+        SPECULATIVE_METHODS)] = None
+    num_speculative_tokens: Annotated[int, setting(
+        f"draft tokens per step, 1 to {MAX_SPECULATIVE_TOKENS} (default 3: a batch-1 verify is "
+        "4 rows)")] = 3
+    speculative_model: Annotated[str | None, setting(
+        "draft model (a directory, or a named model like --model) sharing the model's "
+        "tokenizer; only with --speculative-method draft")] = None
+    ngram_min: Annotated[int, setting(
+        "ngram: shortest n-gram looked up in the request's tokens (default 2)", at_least=1)] = 2
+    ngram_max: Annotated[int, setting("ngram: longest n-gram looked up (default 4)")] = 4
+    speculative_disable_by_batch_size: Annotated[int | None, setting(
+        "no speculation in a step with more running requests than this (default: no limit)",
+        at_least=1)] = None
+    grammar_compile_timeout: Annotated[float, setting(
+        "structured output: seconds a grammar may take to compile before its request is "
+        "refused (default 20)", positive=True)] = 20.0
+    grammar_max_bytes: Annotated[int, setting(
+        "structured output: longest schema, regex, EBNF or choice list accepted, in bytes "
+        "(default 65536)", at_least=1)] = 65536
+    # Either mode still serves ordinary requests (engine/kvcache/connectors/transfer.py).
+    disaggregation_mode: Annotated[str, setting(
+        "prefill/decode disaggregation: prefill (computes prompts and serves their KV to decode "
+        "servers), decode (pulls that KV and continues), none (default)",
+        DISAGGREGATION_MODES)] = "none"
+    kv_transfer_host: Annotated[str, setting(
+        "address the workers' KV-transfer sockets bind and advertise (default 127.0.0.1; use a "
+        "reachable one across hosts)")] = "127.0.0.1"
+    kv_transfer_timeout: Annotated[float, setting(
+        "decode: seconds a KV pull may go unanswered before its request fails (default 30)",
+        positive=True)] = 30.0
+    kv_hold_timeout: Annotated[float, setting(
+        "prefill: seconds a finished prompt's KV waits for a decode server to pull it before it "
+        "is freed (default 120)", positive=True)] = 120.0
+    kv_transfer_backend: Annotated[str, setting(
+        "how KV blocks move between servers: zmq (over the transfer sockets, default) or nixl "
+        "(NIXL READs; pip install 'deepinfer[nixl]')", KV_TRANSFER_BACKENDS)] = "zmq"
+
+    def __post_init__(self) -> None:
+        check_settings(self, ModelConfigError)
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):
@@ -146,14 +200,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         Values only (no files are read), so a typo is reported before a model is prepared; the
         draft model's directory is checked by engine.model_store.ensure_config."""
         method = self.speculative_method
-        _require(method is None or method in SPECULATIVE_METHODS,
-                 f"--speculative-method must be one of {', '.join(SPECULATIVE_METHODS)}, "
-                 f"not {method!r}")
         k = self.num_speculative_tokens
         _require(method is None or 1 <= k <= MAX_SPECULATIVE_TOKENS,
                  f"--num-speculative-tokens must be between 1 and {MAX_SPECULATIVE_TOKENS}, "
                  f"got {k}")
-        _require(self.ngram_min >= 1, f"--ngram-min must be at least 1, got {self.ngram_min}")
         _require(self.ngram_min <= self.ngram_max,
                  f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
         _require(method != "draft" or bool(self.speculative_model),
@@ -161,31 +211,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  "directory)")
         _require(method == "draft" or self.speculative_model is None,
                  "--speculative-model is only used with --speculative-method draft")
-        limit = self.speculative_disable_by_batch_size
-        _require(limit is None or limit >= 1,
-                 f"--speculative-disable-by-batch-size must be at least 1, got {limit}")
-
-    def check_structured(self) -> None:
-        """Raise ModelConfigError, naming the flag, for unusable structured-output limits."""
-        timeout = self.grammar_compile_timeout
-        _require(timeout > 0, f"--grammar-compile-timeout must be positive, got {timeout:g}")
-        _require(self.grammar_max_bytes >= 1,
-                 f"--grammar-max-bytes must be at least 1, got {self.grammar_max_bytes}")
 
     def check_quantization(self) -> None:
-        _require(self.quantization is None or self.quantization in QUANTIZATIONS,
-                 f"--quantization must be one of {', '.join(QUANTIZATIONS)}, "
-                 f"not {self.quantization!r}")
         _require(self.quantization in (None, "none") or self.dtype == "float32",
                  f"--quantization {self.quantization} computes in float32 (not --dtype "
                  f"{self.dtype})")
 
     def kv_dtype(self) -> str:
-        """The KV cache's element type: --kv-cache-dtype, or --dtype under auto
-        (ModelConfigError, naming the flag, for a value that is neither)."""
-        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
-                 f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                 f"not {self.kv_cache_dtype!r}")
+        """The KV cache's element type: --kv-cache-dtype, or --dtype under auto."""
         return self.dtype if self.kv_cache_dtype == "auto" else self.kv_cache_dtype
 
     def check_kv_cache_dtype(self) -> None:
@@ -204,8 +237,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         Values only: whether CUDA is there is the workers' to find out (workers/device.py).
         The CUDA path runs float weights with the Triton attention backend; what it does not
         take yet is refused here when --device cuda says so, and by the worker under auto."""
-        _require(self.device in DEVICES,
-                 f"--device must be one of {', '.join(DEVICES)}, not {self.device!r}")
         if self.device == "cuda":
             for problem in self.cpu_only_features():
                 raise ModelConfigError(f"--device cuda: {problem}")
@@ -227,15 +258,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def check_disaggregation(self) -> None:
         """Raise ModelConfigError, naming the flag, for unusable disaggregation settings."""
-        _require(self.disaggregation_mode in DISAGGREGATION_MODES,
-                 f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
-                 f"not {self.disaggregation_mode!r}")
-        for flag, value in (("--kv-transfer-timeout", self.kv_transfer_timeout),
-                            ("--kv-hold-timeout", self.kv_hold_timeout)):
-            _require(value > 0, f"{flag} must be positive, got {value:g}")
-        _require(self.kv_transfer_backend in KV_TRANSFER_BACKENDS,
-                 f"--kv-transfer-backend must be one of {', '.join(KV_TRANSFER_BACKENDS)}, "
-                 f"not {self.kv_transfer_backend!r}")
         # Found, not imported: importing NIXL loads torch, which this process need not.
         _require(self.kv_transfer_backend != "nixl" or
                  any(importlib.util.find_spec(m) for m in _NIXL_MODULES),
@@ -252,13 +274,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def check_parallel(self) -> None:
         """Raise ModelConfigError, naming the flag, when the model cannot be split as asked.
 
-        Tensor parallelism shards the Llama family (Llama, Mistral, Qwen2, Qwen3): KV heads
+        Tensor parallelism shards the architectures the registry says it does
+        (engine/model_registry.py: the Llama family and its MoE variants): KV heads
         split as evenly as their count allows, each with its query heads (or, with fewer KV
         heads than ranks, query heads split evenly and each rank's KV head replicated); the
         MLP's intermediate size and the vocabulary split evenly."""
         world = self.tensor_parallel_size
-        _require(world >= 1, f"--tensor-parallel-size must be at least 1, got {world}")
-        _require(self.nnodes >= 1 and 0 <= self.node_rank < self.nnodes,
+        _require(self.node_rank < self.nnodes,
                  f"--node-rank must be in [0, --nnodes), got {self.node_rank} of {self.nnodes}")
         _require(world % self.nnodes == 0,
                  f"--tensor-parallel-size {world} does not split over --nnodes {self.nnodes}")
@@ -279,8 +301,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                      f"--enable-expert-parallel: the model's {model.num_experts} experts do not "
                      f"split over {world} ranks")
             return
-        _require(model.architecture in TENSOR_PARALLEL_ARCHITECTURES,
-                 f"{flag}: tensor parallelism supports {', '.join(TENSOR_PARALLEL_ARCHITECTURES)}"
+        supported = tensor_parallel_architectures()
+        _require(model.architecture in supported,
+                 f"{flag}: tensor parallelism supports {', '.join(supported)}"
                  f" so far, not {model.architecture}"
                  + (" (--enable-expert-parallel splits its experts)" if model.num_experts else ""))
         kv = model.num_kv_heads
@@ -336,8 +359,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return None
         if self.swa_replay == "exact":
             return model.layer_kinds.count(SLIDING) * model.sliding_window
-        if self.swa_replay != "window":
-            raise ValueError(f"swa_replay must be 'window' or 'exact', not {self.swa_replay!r}")
         return model.sliding_window
 
     def swa_snapshot_tokens(self) -> int:
@@ -348,8 +369,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.swa_snapshot_interval is None:
             # At most W apart, so the window-mode budget always reaches the nearest one.
             return max(self.block_size, window // self.block_size * self.block_size)
-        if self.swa_snapshot_interval < 0:
-            raise ValueError("swa_snapshot_interval must be >= 0")
         return self.swa_snapshot_interval
 
     def kv_cache_layout(self) -> KVCacheLayout:

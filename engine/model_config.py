@@ -61,38 +61,22 @@ def rope_parameters(cfg: dict, kind: str = FULL) -> dict[str, Any]:
     return params
 
 
-def moe_fields(cfg: dict, model_type: str) -> dict[str, Any]:
+def moe_fields(cfg: dict) -> dict[str, Any]:
     """Mixture-of-experts fields (none for a dense model). Qwen3-MoE may save its expert count
-    as `num_local_experts` (Mixtral's name); Mixtral's experts take `intermediate_size` and its
-    router always renormalizes the top-k weights."""
+    as `num_local_experts` (Mixtral's name); Mixtral's experts take `intermediate_size`."""
     experts = (cfg.get("num_experts") or cfg.get("num_local_experts")
                or cfg.get("n_routed_experts") or 0)
     if not experts:
         return {}
-    moe_inter = cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
-    fields = dict(
+    return dict(
         num_experts=experts,
         num_experts_per_tok=cfg["num_experts_per_tok"],
-        moe_intermediate_size=moe_inter,
-        norm_topk_prob=model_type == "mixtral" or bool(cfg.get("norm_topk_prob", False)),
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
         decoder_sparse_step=cfg.get("decoder_sparse_step") or 1,
         mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()),
         shared_expert_intermediate_size=cfg.get("shared_expert_intermediate_size") or 0,
     )
-    if model_type in DEEPSEEK:
-        # V3: sigmoid scores with a correction bias, top-k within the best groups, scaled; the
-        # first layers dense; always-on shared experts without a gate. V4: no groups, its own
-        # scoring function and hash-routed layers (workers/models/deepseek_v4.py).
-        fields.update(
-            router="grouped_sigmoid" if model_type == "deepseek_v3" else "v4",
-            n_group=cfg.get("n_group") or 1,
-            topk_group=cfg.get("topk_group") or 1,
-            routed_scaling_factor=float(cfg.get("routed_scaling_factor") or 1.0),
-            mlp_only_layers=tuple(range(cfg.get("first_k_dense_replace") or 0)),
-            shared_expert_intermediate_size=moe_inter * (cfg.get("n_shared_experts", 1) or 0),
-            shared_expert_gated=False,
-        )
-    return fields
 
 
 def mla_fields(cfg: dict) -> dict[str, Any]:
@@ -190,10 +174,6 @@ def compressed_attention(cfg: dict) -> CompressedAttention:
     )
 
 
-GEMMA3 = ("gemma3", "gemma3_text")
-DEEPSEEK = ("deepseek_v3", "deepseek_v4")
-
-
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What every process needs to know about a checkpoint, with no torch."""
 
@@ -283,63 +263,53 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_hf(cls, raw: dict, generation: dict | None = None) -> ModelConfig:
-        """From config.json's contents (and generation_config.json's, which may name EOS ids)."""
+        """From config.json's contents (and generation_config.json's, which may name EOS ids):
+        the fields every family shares, then its registry entry's (engine/model_registry.py)."""
+        from deepinfer.engine.model_registry import ARCHITECTURES, Architecture, architecture_name
+
         cfg = raw.get("text_config", raw)
-        model_type = cfg.get("model_type") or raw.get("model_type") or "llama"
+        if cfg.get("attn_logit_softcapping"):
+            raise ModelConfigError("attention logit soft-capping is not supported")
         heads = cfg["num_attention_heads"]
         eos = (generation or {}).get("eos_token_id", cfg.get("eos_token_id"))
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
         kinds = tuple(layer_kinds(cfg))
-        # Qwen2 has q/k/v biases and no o_proj bias without saying so in its config;
-        # Qwen2-MoE says so as `qkv_bias`.
-        qwen2 = model_type in ("qwen2", "qwen2_moe")
-        qkv_bias = cfg.get("qkv_bias", cfg.get("attention_bias", qwen2))
-        gemma = model_type in GEMMA3
-        compressed = compressed_attention(cfg) if model_type == "deepseek_v4" else None
-        window = cfg.get("sliding_window") if SLIDING in kinds else None
-        if compressed is not None:  # every layer has a window (and keeps its inputs in it)
-            kinds, window = (SLIDING,) * len(kinds), compressed.source_window()
-        if cfg.get("attn_logit_softcapping"):
-            raise ModelConfigError("attention logit soft-capping is not supported")
-        sliding_rope = rope_parameters(cfg, SLIDING) if SLIDING in kinds else None
-        full_rope = rope_parameters(cfg, FULL)
-        return cls(
-            architecture=(raw.get("architectures") or ["LlamaForCausalLM"])[0],
+        model_type = cfg.get("model_type") or raw.get("model_type") or "llama"
+        architecture = architecture_name(raw, model_type)
+        fields: dict[str, Any] = dict(
+            architecture=architecture,
             model_type=model_type,
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg.get("intermediate_size") or cfg["moe_intermediate_size"],
             num_layers=cfg["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
-            # MLA: the rotary part's width (what HF's rotary tables are built for).
-            head_dim=(cfg["qk_rope_head_dim"] if model_type == "deepseek_v3"
-                      else cfg.get("head_dim") or cfg["hidden_size"] // heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             vocab_size=cfg["vocab_size"],
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              raw.get("tie_word_embeddings", False))),
-            qkv_bias=bool(qkv_bias),
-            o_proj_bias=bool(cfg.get("attention_bias", False)) and not qwen2,
+            qkv_bias=bool(cfg.get("qkv_bias", cfg.get("attention_bias", False))),
+            o_proj_bias=bool(cfg.get("attention_bias", False)),
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or gemma,
-            rope=full_rope,
+            qk_norm=False,
+            rope=rope_parameters(cfg, FULL),
             eos_token_ids=eos_ids,
             layer_kinds=kinds,
-            sliding_window=window,
+            sliding_window=cfg.get("sliding_window") if SLIDING in kinds else None,
             num_nextn_predict_layers=cfg.get("num_nextn_predict_layers", 0) or 0,
-            **moe_fields(cfg, model_type),
-            rope_sliding=sliding_rope if sliding_rope != full_rope else None,
+            **moe_fields(cfg),
             hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu",
-            query_pre_attn_scalar=cfg.get("query_pre_attn_scalar") if gemma else None,
-            embed_scale=cfg["hidden_size"] ** 0.5 if gemma else 1.0,
-            norm_offset=1.0 if gemma else 0.0,
             final_logit_softcapping=cfg.get("final_logit_softcapping"),
-            **(mla_fields(cfg) if model_type == "deepseek_v3" else
-               {"q_lora_rank": cfg["q_lora_rank"]} if compressed is not None else {}),
-            compressed=compressed,
             **checkpoint_quantization(raw),
         )
+        fields.update(ARCHITECTURES.get(architecture, Architecture("")).fields(cfg))
+        if SLIDING in fields["layer_kinds"]:  # RoPE of the sliding layers, where it differs
+            sliding_rope = rope_parameters(cfg, SLIDING)
+            if sliding_rope != fields["rope"]:
+                fields["rope_sliding"] = sliding_rope
+        return cls(**fields)
 
 
 def checkpoint_quantization(raw: dict) -> dict[str, Any]:

@@ -13,117 +13,35 @@ import secrets
 import sys
 
 from deepinfer.engine import envs, model_store
-from deepinfer.engine.config import (
-    DEFAULT_MODEL_NAME,
-    DEVICES,
-    DISAGGREGATION_MODES,
-    KV_CACHE_DTYPES,
-    KV_TRANSFER_BACKENDS,
-    MAX_SPECULATIVE_TOKENS,
-    QUANTIZATIONS,
-    SPECULATIVE_METHODS,
-    EngineConfig,
-    ModelConfigError,
-)
+from deepinfer.engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelConfigError
 from deepinfer.engine.runtime.launcher import EngineStartupError
+from deepinfer.engine.settings import flag, settings
 from deepinfer.frontend.auth import resolve_api_key
 from deepinfer.frontend.router.policy import POLICIES
 
-# (flag, type, help); unset flags keep EngineConfig's defaults.
-_ENGINE_ARGS = [
-    ("--dtype", str, "the model's dtype, weights and activations: float32 (default), float16, "
-     "bfloat16; the KV cache's too unless --kv-cache-dtype says otherwise"),
-    ("--kv-cache-dtype", str, "what the KV cache stores: auto (--dtype, default), float32, "
-     "float16 or bfloat16 (half the bytes of float32: twice the tokens per --kv-cache-gb, "
-     "faster decode attention; attention computes in float32)"),
-    ("--kv-cache-gb", float, "KV cache budget in GiB"),
-    ("--num-kv-blocks", int, "KV cache size in blocks (overrides --kv-cache-gb)"),
-    ("--block-size", int, "tokens per KV block"),
-    ("--max-num-seqs", int, "most requests in one batch"),
-    ("--max-num-batched-tokens", int, "token budget of one step"),
-    ("--prefill-chunk-size", int, "longest prefill chunk of one request in a step"),
-    ("--max-model-len", int, "context length (default: the model's)"),
-    ("--tensor-parallel-size", int, "worker ranks sharing the model (tensor parallelism)"),
-    ("--nnodes", int, "hosts the worker ranks spread over (default 1)"),
-    ("--node-rank", int, "this host's index among --nnodes; node 0 runs the API server"),
-    ("--dist-init-addr", str, "HOST:PORT of node 0 for the ranks' rendezvous (multi-node; "
-     "default MASTER_ADDR:MASTER_PORT)"),
-    ("--served-model-name", str, "model name in the API (default: the directory's name)"),
-    ("--seed", int, "engine seed"),
-    ("--host-kv-cache-gb", float, "host-memory tier for evicted prefix-cache blocks (0: off)"),
-    ("--swa-replay", str, "sliding-window rebuild after a prefix hit: window (W tokens) or exact"),
-    ("--swa-snapshot-interval", int, "keep a sliding-window snapshot every this many prompt "
-     "tokens (default: the window W; 0: only where prompts and requests end)"),
-    ("--device", str, "where the workers compute: auto (a CUDA GPU per rank when torch sees "
-     "one, else the CPU; default), cpu, cuda"),
-    ("--worker-threads", int, "intra-op threads per worker (default: its cores)"),
-    ("--cpu-linear-weights", str, "copies of each linear weight on CPU: both (fastest, 2x "
-     "memory), packed, plain, or auto (both while cheap, default)"),
-    ("--quantization", str, "linear weights: int8 (weight-only, per channel, quantized at "
-     "load), fp8 (e4m3 block scales), none (float; dequantizes a quantized checkpoint); default: "
-     "as the checkpoint stores them (a GGUF keeps its types)"),
-    ("--speculative-method", str, "speculative decoding: ngram (prompt lookup), draft (a smaller "
-     "model, --speculative-model) or mtp (the model's multi-token heads); default off"),
-    ("--num-speculative-tokens", int, f"draft tokens per step, 1 to {MAX_SPECULATIVE_TOKENS} "
-     "(default 3)"),
-    ("--speculative-model", str, "draft model (a directory, or a named model like --model) "
-     "sharing the model's tokenizer; only with --speculative-method draft"),
-    ("--ngram-min", int, "ngram: shortest n-gram looked up in the request's tokens (default 2)"),
-    ("--ngram-max", int, "ngram: longest n-gram looked up (default 4)"),
-    ("--speculative-disable-by-batch-size", int, "no speculation in a step with more running "
-     "requests than this (default: no limit)"),
-    ("--disaggregation-mode", str, "prefill/decode disaggregation: prefill (computes prompts and "
-     "serves their KV to decode servers), decode (pulls that KV and continues), none (default)"),
-    ("--kv-transfer-host", str, "address the workers' KV-transfer sockets bind and advertise "
-     "(default 127.0.0.1; use a reachable one across hosts)"),
-    ("--kv-transfer-timeout", float, "decode: seconds a KV pull may go unanswered before its "
-     "request fails (default 30)"),
-    ("--kv-hold-timeout", float, "prefill: seconds a finished prompt's KV waits for a decode "
-     "server to pull it before it is freed (default 120)"),
-    ("--kv-transfer-backend", str, "how KV blocks move between servers: zmq (over the "
-     "transfer sockets, default) or nixl (NIXL READs; pip install 'deepinfer[nixl]')"),
-    ("--grammar-compile-timeout", float, "structured output: seconds a grammar may take to "
-     "compile before its request is refused (default 20)"),
-    ("--grammar-max-bytes", int, "structured output: longest schema, regex, EBNF or choice list "
-     "accepted, in bytes (default 65536)"),
-]
-# Flags whose values argparse checks (a typo is refused before anything starts).
-_ENGINE_CHOICES = {"--speculative-method": SPECULATIVE_METHODS,
-                   "--device": DEVICES,
-                   "--quantization": QUANTIZATIONS,
-                   "--kv-cache-dtype": KV_CACHE_DTYPES,
-                   "--disaggregation-mode": DISAGGREGATION_MODES,
-                   "--kv-transfer-backend": KV_TRANSFER_BACKENDS}
 _SECRET_HELP = ("a file holding the secret DeepInfer's servers, PD router and nodes share to "
                 "authenticate each other (default: DEEPINFER_CLUSTER_SECRET); needed with "
                 "--disaggregation-mode, --nnodes > 1 and the PD router")
-# On/off switches (--x / --no-x); unset keeps the default.
-_ENGINE_SWITCHES = [
-    ("--enable-prefix-caching", "reuse KV of shared prompt prefixes (default on)"),
-    ("--overlap-scheduling", "plan the next step while the workers compute (default on)"),
-    ("--enforce-eager", "GPU: run decode steps without CUDA graphs (default: graphs for "
-     "decode-only steps of the Llama family on one GPU)"),
-    ("--enable-expert-parallel", "with --tensor-parallel-size N: split each MoE layer's experts "
-     "whole over the ranks, dense layers replicated (default off: tensor parallelism)"),
-]
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    """Every engine setting as a flag, from its declaration (engine/config.py); unset flags
+    keep EngineConfig's defaults."""
     p.add_argument("--model", default="default",
                    help=f"HF model directory, or a named model prepared on first use: "
                         f"{', '.join(model_store.RECIPES)} ('default' is {DEFAULT_MODEL_NAME})")
-    for flag, kind, help_text in _ENGINE_ARGS:
-        p.add_argument(flag, type=kind, default=None, help=help_text,
-                       choices=_ENGINE_CHOICES.get(flag))
-    for flag, help_text in _ENGINE_SWITCHES:
-        p.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+    for name, (kind, decl) in settings(EngineConfig).items():
+        if kind is bool:  # a switch: --x / --no-x
+            p.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None,
+                           help=decl.description)
+        else:  # argparse checks the choices: a typo is refused before anything starts
+            p.add_argument(flag(name), type=kind, default=None, help=decl.description,
+                           choices=decl.extra["choices"] or None)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     """The engine flags the user set, as EngineConfig keyword arguments."""
-    flags = [f for f, _, _ in _ENGINE_ARGS] + [f for f, _ in _ENGINE_SWITCHES]
-    names = (flag[2:].replace("-", "_") for flag in flags)
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    return {n: getattr(args, n) for n in settings(EngineConfig) if getattr(args, n) is not None}
 
 
 def engine_config(args: argparse.Namespace, **overrides) -> EngineConfig:
@@ -136,13 +54,13 @@ def _replica_args(args: argparse.Namespace, model: str,
     but those in `skip`, which the topology sets per server."""
     out = ["--model", model, "--max-pending", str(args.max_pending), "--max-buffered-outputs",
            str(args.max_buffered_outputs), "--log-level", args.log_level]
-    switches = {f[2:].replace("-", "_") for f, _ in _ENGINE_SWITCHES}
     for name, value in engine_kwargs(args).items():
-        flag = "--" + name.replace("_", "-")
-        if name in switches:
-            out.append(flag if value else f"--no-{flag[2:]}")
-        elif name not in skip:
-            out += [flag, str(value)]
+        if name in skip:
+            continue
+        if isinstance(value, bool):  # a switch
+            out.append(flag(name) if value else "--no-" + flag(name)[2:])
+        else:
+            out += [flag(name), str(value)]
     return out
 
 

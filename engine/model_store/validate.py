@@ -65,12 +65,11 @@ def ensure_model(model: str) -> str:
 
 
 def ensure_config(config: EngineConfig) -> EngineConfig:
-    """`config` checked before any process starts, with the models to run: the speculative
-    and structured-output settings first (a typo costs no download), then --model
-    (ensure_model), then a draft model like --model, resolved to its directory. Raises
-    ModelConfigError."""
+    """`config` checked before any process starts, with the models to run (each setting's own
+    values were checked when the config was made): the settings that go together first (a typo
+    costs no download), then --model (ensure_model), then a draft model like --model, resolved
+    to its directory. Raises ModelConfigError."""
     config.check_speculative()
-    config.check_structured()
     config.check_disaggregation()
     config.check_quantization()
     config.check_device()

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from deepinfer.engine.model_config import ModelConfig, ModelConfigError
+from deepinfer.engine.model_registry import ARCHITECTURES
 from deepinfer.workers.attention import AttentionBackend, SeqSlice, select_backend
 from deepinfer.workers.kv_connectors.host_tier import copy_blocks
 from deepinfer.workers.layers.linear import Linear
@@ -44,7 +45,6 @@ from deepinfer.workers.spec_decode.base import (
     finish_drafts,
 )
 
-MTP_ARCHITECTURES = ("DeepseekV3ForCausalLM",)
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 
 
@@ -114,10 +114,11 @@ class MtpProposer(Proposer):
     def __init__(self, model_dir: str, dtype: str, num_blocks: int, block_size: int,
                  host_blocks: int, weight_copies: str, sampler: Sampler) -> None:
         cfg = ModelConfig.from_dir(model_dir)
-        if cfg.architecture not in MTP_ARCHITECTURES or not cfg.num_nextn_predict_layers:
+        supported = [name for name, entry in ARCHITECTURES.items() if entry.mtp]
+        if cfg.architecture not in supported or not cfg.num_nextn_predict_layers:
             raise ModelConfigError(
                 "--speculative-method mtp needs a model with multi-token-prediction layers "
-                f"(supported: {', '.join(MTP_ARCHITECTURES)} with num_nextn_predict_layers "
+                f"(supported: {', '.join(supported)} with num_nextn_predict_layers "
                 f"> 0; this is {cfg.architecture} with {cfg.num_nextn_predict_layers})")
         torch_dtype = DTYPES[dtype]
         attention = select_backend("cpu", torch_dtype)
