@@ -8,9 +8,10 @@ start. A step of b <= B decode rows copies its values into the smallest size's b
 the other rows to see no key and write no cache slot, replays, and takes the first b rows.
 
 Graphs take only what keeps the forward free of host work: decode-only steps (no prefill
-chunk), the Triton attention backend, layers whose attention and MLP are the Llama family's
-(MLA indexes rows from the host, MoE routing syncs), one rank (no collective inside a graph
-yet). Anything else runs eagerly, as does every step under --enforce-eager.
+chunk), a backend and a model class that declare they fit (`supports_cuda_graphs`: the Triton
+backend; models whose layers are the Llama family's attention and MLP, as MLA indexes rows from
+the host and MoE routing syncs), one rank (no collective inside a graph yet). Anything else runs
+eagerly, as does every step under --enforce-eager.
 
 `DecodeGraphs(..., capture=False)` runs the same padded buffers eagerly: what the tests check on
 CPU (under the Triton interpreter), where no graph can be captured.
@@ -93,12 +94,9 @@ class DecodeGraphs:
 
     @staticmethod
     def supported(model: nn.Module, world: int) -> bool:
-        """The Llama family's attention and MLP in every layer, one rank."""
-        from deepinfer.workers.models.llama import MLP, Attention
-
-        layers = getattr(getattr(model, "model", None), "layers", None)
-        return world == 1 and layers is not None and all(
-            type(layer.self_attn) is Attention and type(layer.mlp) is MLP for layer in layers)
+        """A model class that declares its forward fits a graph (the Llama family's attention
+        and MLP in every layer: workers/models/llama.py), on one rank."""
+        return world == 1 and bool(getattr(model, "supports_cuda_graphs", False))
 
     def _forward(self, buf: _Buffers) -> torch.Tensor:
         return self.model(buf.ids, buf.positions, self.kv_caches, buf.metas)

@@ -89,3 +89,13 @@ def build_batch(plan: StepPlan, inputs: list[StepInput], states: dict[str, Sampl
         row += n
     input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64))
     return StepBatch(input_ids, torch.from_numpy(np.concatenate(positions)), slices, rows)
+
+
+def logit_rows(sampled: list[SeqRows]) -> list[int]:
+    """The batch rows to compute logits at, only where a token is drawn: a seq's last input
+    row, or every row a draft is verified at. Sets each seq's `logit_row` in them."""
+    index: list[int] = []
+    for r in sampled:
+        r.logit_row = len(index)
+        index += range(r.verify_row, r.verify_row + 1 + (len(r.draft.tokens) if r.draft else 0))
+    return index

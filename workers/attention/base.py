@@ -18,6 +18,9 @@ class AttentionBackend:
     # True when decode attention is the native CPU kernel that the one-call decode layer
     # (kernels/cpu/decode_layer.py) calls itself.
     native_decode = False
+    # True when a decode step's attention needs no host work once its metadata sits in static
+    # device buffers (workers/cuda_graphs.py), so the forward can be replayed as a CUDA graph.
+    supports_cuda_graphs = False
 
     def build_metadata(self, slices: list[SeqSlice], block_size: int,
                        window: int | None) -> AttentionMetadata:

@@ -55,6 +55,11 @@ class PrefillSeq:
 
 @dataclass
 class AttentionMetadata:
+    # (A class attribute, not a field.) True where the decode rows' tables and key ranges are
+    # also on the device (decode_tables, decode_lo_dev, decode_hi_dev: Triton's metadata), so
+    # a kernel reads them with no host-device copy.
+    device_tables = False
+
     row_slots: torch.Tensor  # [T] int64 cache slot of every row's K/V; -1: not written
     decode_rows: torch.Tensor | None  # [B] rows of single-token (decode) queries
     decode_blocks: torch.Tensor | None  # [B * MB] padded block tables, flattened

@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from deepinfer.workers.attention.metadata import AttentionMetadata
 from deepinfer.workers.attention.torch_backend import gather_blocks
-from deepinfer.workers.attention.triton_backend import TritonMetadata
 
 
 def mla_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, rope_cache: torch.Tensor,
@@ -55,7 +54,7 @@ def _decode_absorbed(q_nope, q_rope, rope_cache, latent_cache, meta: AttentionMe
                      w_uk, w_uv, scale: float) -> torch.Tensor:
     batch = q_nope.shape[0]
     q_latent = torch.einsum("bhn,hnl->bhl", q_nope, w_uk)
-    if isinstance(meta, TritonMetadata):  # the device's tables and key ranges, one launch
+    if meta.device_tables:  # the device's tables and key ranges, one launch
         from deepinfer.kernels.triton.mla_decode import mla_decode_attention
 
         o = mla_decode_attention(q_latent.contiguous(), q_rope.contiguous(), latent_cache,

@@ -32,6 +32,7 @@ class PrefillLaunch:
 
 @dataclass
 class TritonMetadata(AttentionMetadata):
+    device_tables = True  # (the fields below)
     decode_tables: torch.Tensor | None = None  # [B, MB] on the device
     decode_rows_dev: torch.Tensor | None = None
     decode_lo_dev: torch.Tensor | None = None
@@ -55,6 +56,7 @@ def _prefill_launch(meta: AttentionMetadata, device: torch.device) -> PrefillLau
 
 class TritonAttention(AttentionBackend):
     name = "triton"
+    supports_cuda_graphs = True
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
@@ -83,7 +85,7 @@ class TritonAttention(AttentionBackend):
         from deepinfer.kernels.triton.decode_attention import paged_decode_attention
         from deepinfer.kernels.triton.prefill_attention import prefill_attention
 
-        if not isinstance(meta, TritonMetadata):  # built by another backend (a test, a tool)
+        if not meta.device_tables:  # built by another backend (a test, a tool)
             meta = self.on_device(meta)
         if meta.decode_rows is not None and meta.prefill_launch is None:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,

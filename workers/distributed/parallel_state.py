@@ -54,6 +54,29 @@ class ParallelState:
             dist.broadcast(x, src)
         return x
 
+    def broadcast_lists(self, lists: list[list[int]], count: int,
+                        device: torch.device) -> list[list[int]]:
+        """Rank 0's `count` int lists on every rank (other ranks pass anything): their lengths
+        then their items in one tensor, after its size (NCCL moves device tensors only)."""
+        if self.world == 1:
+            return lists
+        if self.rank == 0:
+            data = torch.tensor([len(x) for x in lists] + [i for x in lists for i in x],
+                                dtype=torch.int64, device=device)
+            size = torch.tensor([len(data)], dtype=torch.int64, device=device)
+        else:
+            size = torch.zeros(1, dtype=torch.int64, device=device)
+        self.broadcast(size)
+        if self.rank == 0:
+            self.broadcast(data)
+            return lists
+        flat = self.broadcast(torch.empty(int(size), dtype=torch.int64, device=device)).tolist()
+        out, pos = [], count
+        for n in flat[:count]:
+            out.append(flat[pos: pos + n])
+            pos += n
+        return out
+
 
 _ONE = ParallelState()
 _GROUP = _ONE

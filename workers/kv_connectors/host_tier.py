@@ -1,21 +1,19 @@
 """The host tier, worker half: before each forward, run the copies the scheduler half
 (engine/kvcache/connectors/host_tier.py) put in the plan: saves (device -> host) first, then
-loads (host -> device), over the full-attention entries, and the same for every other holder of
-KV in the target's blocks (a proposer's own cache)."""
+loads (host -> device), over the full-attention entries of every holder of KV in the target's
+blocks: the target's cache and a proposer's own (workers/kv_cache.py). It keeps one host pool
+per device pair."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch
 
 from deepinfer.engine.protocol import HostTierCopies, unpack_ids
+from deepinfer.workers.kv_cache import KVCache, KVPair
 from deepinfer.workers.kv_connectors.base import WorkerConnector
-
-KVPair = tuple[torch.Tensor, torch.Tensor]
-# Another holder's copies: (pairs, save) as copy_blocks takes them.
-Copier = Callable[[torch.Tensor, bool], None]
 
 
 def copy_blocks(pairs: torch.Tensor, device: Sequence[KVPair], host: Sequence[KVPair],
@@ -44,11 +42,10 @@ def host_pairs(device: Sequence[KVPair], blocks: int) -> list[KVPair]:
 class HostTierWorker(WorkerConnector):
     name = "host_tier"
 
-    def __init__(self, device: list[KVPair], host_blocks: int,
-                 others: Sequence[Copier] = ()) -> None:
-        self.device = device  # the full-attention entries
-        self.host = host_pairs(device, host_blocks)
-        self.others = list(others)
+    def __init__(self, holders: Sequence[KVCache], host_blocks: int) -> None:
+        """`holders`: the target's cache first, then any proposer's."""
+        self.device = [pair for cache in holders for pair in cache.full_attention()]
+        self.host = host_pairs(self.device, host_blocks)
 
     def before_forward(self, entry: HostTierCopies) -> None:
         for packed, save in ((entry.saves, True), (entry.loads, False)):
@@ -56,5 +53,3 @@ class HostTierWorker(WorkerConnector):
                 continue
             pairs = torch.from_numpy(unpack_ids(packed).astype(np.int64)).view(-1, 2)
             copy_blocks(pairs, self.device, self.host, save)
-            for copy in self.others:
-                copy(pairs, save)

@@ -106,6 +106,7 @@ class DeepseekV3Model(LlamaModel):
 
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False  # MLA indexes its decode rows from the host; MoE routing syncs
     stacked_params = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     checkpoint_renames = {".shared_experts.": ".shared_expert."}
     expert_params = EXPERT_PARAMS

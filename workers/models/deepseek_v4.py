@@ -475,6 +475,7 @@ RENAMES = [(re.compile(a), b) for a, b in [
 
 
 class DeepseekV4ForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False  # its own attention and MoE layers
     stacked_params = {"gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}
     expert_params = EXPERT_PARAMS
     model_class = DeepseekV4Model

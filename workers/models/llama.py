@@ -221,6 +221,10 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # Its decode forward can be one CUDA graph (workers/cuda_graphs.py): every layer is this
+    # family's attention and dense MLP, with no host work. Subclasses whose layers differ
+    # (MLA indexes rows from the host, MoE routing syncs) say False.
+    supports_cuda_graphs = True
     stacked_params = STACKED_PARAMS
     checkpoint_renames: dict[str, str] = {}  # name fragment -> ours, applied first
     expert_params: dict[str, str] = {}  # per-expert checkpoint weight -> FusedExperts part

@@ -69,6 +69,7 @@ def moe_or_dense_mlp(cfg: ModelConfig, layer: int) -> nn.Module:
 
 
 class MoeForCausalLM(LlamaForCausalLM):
+    supports_cuda_graphs = False  # routing syncs with the host
     checkpoint_renames = {".block_sparse_moe.": ".mlp."}  # Mixtral's name for the MoE block
     expert_params = EXPERT_PARAMS
     build_mlp = staticmethod(moe_or_dense_mlp)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.sample.sampler import (
     Sampler,
     SamplingState,
@@ -80,6 +81,9 @@ class Draft:
 class Proposer:
     needs_hidden_states = False
     observes = False  # wants `observe` after every step
+    # Its own KV cache in the target's full-attention blocks, if it keeps one: the host tier
+    # moves its blocks with the target's.
+    kv: KVCache | None = None
 
     def propose(self, step: list[StepInput], requests: list[DraftRequest]) -> list[Draft]:
         raise NotImplementedError
@@ -92,9 +96,6 @@ class Proposer:
 
     def forget(self, request_ids: list[str]) -> None:
         """These requests are finished."""
-
-    def copy_blocks(self, pairs: torch.Tensor, save: bool) -> None:
-        """Host-tier copies of the proposer's own KV blocks, if it keeps any."""
 
 
 def extend_drafts(sampler: Sampler, requests: list[DraftRequest], drafts: list[Draft],

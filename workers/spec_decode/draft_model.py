@@ -19,7 +19,7 @@ import torch
 
 from deepinfer.engine.model_config import FULL, ModelConfig, ModelConfigError
 from deepinfer.workers.attention import SeqSlice, select_backend
-from deepinfer.workers.kv_connectors.host_tier import copy_blocks
+from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.loader import DTYPES, load_model
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
 from deepinfer.workers.spec_decode.base import (
@@ -47,7 +47,7 @@ def check_vocabulary(draft_dir: str, target_dir: str) -> None:
 
 class DraftModelProposer(Proposer):
     def __init__(self, draft_dir: str, target_dir: str, dtype: str, num_blocks: int,
-                 block_size: int, host_blocks: int, weight_copies: str, sampler: Sampler,
+                 block_size: int, weight_copies: str, sampler: Sampler,
                  kv_dtype: str | None = None) -> None:
         """`kv_dtype`: what the draft's KV cache stores (the target's --kv-cache-dtype; default
         `dtype`): it has as many blocks as the target's, sized by the target's type."""
@@ -65,13 +65,8 @@ class DraftModelProposer(Proposer):
         self.block_size = block_size
         self.vocab_size = target.vocab_size
         self.sampler = sampler
-        cache_dtype = DTYPES[kv_dtype or dtype]
-        shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.kv = [(torch.zeros(shape, dtype=cache_dtype), torch.zeros(shape, dtype=cache_dtype))
-                   for _ in range(cfg.num_layers)]
-        host = (host_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-        self.host = [(torch.zeros(host, dtype=cache_dtype), torch.zeros(host, dtype=cache_dtype))
-                     for _ in range(cfg.num_layers)] if host_blocks else []
+        self.kv = KVCache(cfg.kv_cache_layout(block_size).layers, num_blocks, block_size,
+                          DTYPES[kv_dtype or dtype])
         self.frontier: dict[str, int] = {}  # positions [0, frontier) hold the draft's K/V
         self.tables: dict[str, np.ndarray] = {}
         # The requests it has drafted for: their tokens fill a gap (the last draft of a fully
@@ -106,10 +101,6 @@ class DraftModelProposer(Proposer):
             self.frontier.pop(rid, None)
             self.tables.pop(rid, None)
             self.states.pop(rid, None)
-
-    def copy_blocks(self, pairs: torch.Tensor, save: bool) -> None:
-        """Host-tier copies of the draft's K/V, beside the target's."""
-        copy_blocks(pairs, self.kv, self.host, save)
 
     # ------------------------------------------------------------------ internals
 

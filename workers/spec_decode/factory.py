@@ -20,12 +20,11 @@ def build_proposer(config: EngineConfig, sampler: Sampler) -> Proposer | None:
 
         return DraftModelProposer(
             config.speculative_model, config.resolved_model_dir(), config.dtype,
-            config.kv_blocks(), config.block_size, config.host_kv_blocks(),
-            config.cpu_linear_weights, sampler, kv_dtype=config.kv_dtype())
+            config.kv_blocks(), config.block_size, config.cpu_linear_weights, sampler,
+            kv_dtype=config.kv_dtype())
     if method == "mtp":
         from deepinfer.workers.spec_decode.mtp import MtpProposer
 
         return MtpProposer(config.resolved_model_dir(), config.dtype, config.kv_blocks(),
-                           config.block_size, config.host_kv_blocks(), config.cpu_linear_weights,
-                           sampler)
+                           config.block_size, config.cpu_linear_weights, sampler)
     raise ModelConfigError(f"unknown speculative method {method!r}")

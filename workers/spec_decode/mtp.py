@@ -20,14 +20,15 @@ from __future__ import annotations
 
 import re
 
+import msgspec
 import numpy as np
 import torch
 from torch import nn
 
-from deepinfer.engine.model_config import ModelConfig, ModelConfigError
+from deepinfer.engine.model_config import FULL, ModelConfig, ModelConfigError
 from deepinfer.engine.model_registry import ARCHITECTURES
 from deepinfer.workers.attention import AttentionBackend, SeqSlice, select_backend
-from deepinfer.workers.kv_connectors.host_tier import copy_blocks
+from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.layers.linear import Linear
 from deepinfer.workers.layers.norm import RMSNorm
 from deepinfer.workers.layers.rotary import RotaryEmbedding
@@ -112,7 +113,7 @@ class MtpProposer(Proposer):
     observes = True
 
     def __init__(self, model_dir: str, dtype: str, num_blocks: int, block_size: int,
-                 host_blocks: int, weight_copies: str, sampler: Sampler) -> None:
+                 weight_copies: str, sampler: Sampler) -> None:
         cfg = ModelConfig.from_dir(model_dir)
         supported = [name for name, entry in ARCHITECTURES.items() if entry.mtp]
         if cfg.architecture not in supported or not cfg.num_nextn_predict_layers:
@@ -132,14 +133,11 @@ class MtpProposer(Proposer):
         self.block_size = block_size
         self.vocab_size = cfg.vocab_size
         self.sampler = sampler
-        k, v = cfg.kv_cache_layout(block_size).layers[0].entry_shapes()
-
-        def pair(blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
-            return (torch.zeros((blocks, block_size, *k), dtype=torch_dtype),
-                    torch.zeros((blocks, block_size, *v), dtype=torch_dtype))
-
-        self.kv = [pair(num_blocks)]
-        self.host = [pair(host_blocks)] if host_blocks else []
+        # Its one layer's cache, shaped as the target's first layer, in the model's dtype; it
+        # lives in the target's full-attention blocks (the host tier copies it with them).
+        entry = msgspec.structs.replace(cfg.kv_cache_layout(block_size).layers[0], kind=FULL,
+                                        window=None)
+        self.kv = KVCache([entry], num_blocks, block_size, torch_dtype)
         # request -> (position, the layer's output there): where the next draft starts
         self.last: dict[str, tuple[int, torch.Tensor]] = {}
 
@@ -187,9 +185,6 @@ class MtpProposer(Proposer):
     def forget(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self.last.pop(rid, None)
-
-    def copy_blocks(self, pairs: torch.Tensor, save: bool) -> None:
-        copy_blocks(pairs, self.kv, self.host, save)
 
     # ------------------------------------------------------------------ internals
 

@@ -57,6 +57,16 @@ def fill_bitmask(backend, rows: list[MaskedRows], num_rows: int) -> tuple[torch.
     return bitmask, masked
 
 
+def constrain(backend, logits: torch.Tensor, rows: list[MaskedRows]) -> None:
+    """Tokens the grammar forbids get -inf in `logits`, on constrained requests' rows only
+    (their logprobs are then the constrained distribution's)."""
+    if not rows:
+        return
+    bitmask, masked = fill_bitmask(backend, rows, logits.shape[0])
+    if masked:
+        backend.apply(logits, bitmask, masked)
+
+
 def accept(matcher, tokens: list[int]) -> None:
     """Advance the matcher over the tokens the step emitted (all allowed by its masks)."""
     for token in tokens:

@@ -83,14 +83,14 @@ def test_mtp_drafts_match_the_reference_layer(mtp_model):
                        speculative_method="mtp", num_speculative_tokens=k)
     runner = ModelRunner(cfg)
     proposed: list = []  # (request, input position, Draft)
-    propose = runner.proposer.propose
+    propose = runner.spec.proposer.propose
 
     def recording(step, requests):
         drafts = propose(step, requests)
         proposed.extend((r.request_id, r.start, d) for r, d in zip(requests, drafts))
         return drafts
 
-    runner.proposer.propose = recording
+    runner.spec.proposer.propose = recording
     sched = Scheduler(SchedulerConfig(
         num_blocks=64, block_size=4, max_num_batched_tokens=16, prefill_chunk_size=8,
         kv_groups=cfg.model_config().kv_cache_layout().groups(), num_speculative_tokens=k))

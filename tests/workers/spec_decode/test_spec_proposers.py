@@ -39,7 +39,7 @@ def test_hidden_states_reach_the_proposer(tiny_model_dir):
 
     runner = ModelRunner(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=32,
                                       block_size=4))
-    proposer = runner.proposer = HiddenStateProposer()
+    proposer = runner.spec.proposer = HiddenStateProposer()
     table = [pack_ids(range(8))]
     prompt = [11, 12, 13, 14, 15]
     params = SamplingParams(max_tokens=20, temperature=0.0)

@@ -4,12 +4,12 @@ puller.py on a decode server)."""
 
 from __future__ import annotations
 
-import torch
 import zmq
 
 from deepinfer.engine import envs
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.protocol import TransferWork
+from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors.base import WorkerConnector
 from deepinfer.workers.kv_connectors.transfer.puller import KVPuller
 from deepinfer.workers.kv_connectors.transfer.sender import KVSender
@@ -19,7 +19,7 @@ from deepinfer.workers.kv_connectors.transfer.wire import group_tensors
 class KVTransferWorker(WorkerConnector):
     name = "transfer"
 
-    def __init__(self, config: EngineConfig, kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, config: EngineConfig, kv_caches: KVCache,
                  zctx: zmq.Context, rank: int, report_to: str) -> None:
         tensors = group_tensors(config.kv_cache_layout(), kv_caches)
         self.sender = self.puller = None

@@ -22,6 +22,7 @@ released meanwhile may have been overwritten), and reads the blocks itself.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -81,7 +82,8 @@ def split_address(address: str) -> tuple[str, str]:
     return endpoint, nonce
 
 
-def group_tensors(layout: KVCacheLayout, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+def group_tensors(layout: KVCacheLayout,
+                  kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]]
                   ) -> list[list[torch.Tensor]]:
     """Per KV group, the cache tensors a block spans (empty ones left out), in a fixed order
     both sides derive from the same layout."""
