@@ -129,6 +129,7 @@ class ChatMessage(msgspec.Struct, **_STRUCT):
     tool_calls: list[dict] | None = None
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning, sent back
 
 
 class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
@@ -142,6 +143,8 @@ class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
     add_generation_prompt: bool = True
     # Function tools the chat template renders ({"type": "function", "function": {...}}).
     tools: list[dict] | None = None
+    # More variables for the chat template (chat_template_kwargs; e.g. thinking on or off).
+    template_kwargs: dict | None = None
 
 
 class Abort(msgspec.Struct, tag=True, **_STRUCT):

@@ -18,6 +18,7 @@ from deepinfer.engine.runtime.launcher import EngineStartupError
 from deepinfer.engine.settings import flag, settings
 from deepinfer.frontend.auth import resolve_api_key
 from deepinfer.frontend.router.policy import POLICIES
+from deepinfer.frontend.server.reasoning import REASONING_PARSERS
 
 _SECRET_HELP = ("a file holding the secret DeepInfer's servers, PD router and nodes share to "
                 "authenticate each other (default: DEEPINFER_CLUSTER_SECRET); needed with "
@@ -54,6 +55,8 @@ def _replica_args(args: argparse.Namespace, model: str,
     but those in `skip`, which the topology sets per server."""
     out = ["--model", model, "--max-pending", str(args.max_pending), "--max-buffered-outputs",
            str(args.max_buffered_outputs), "--log-level", args.log_level]
+    if args.reasoning_parser:
+        out += ["--reasoning-parser", args.reasoning_parser]
     for name, value in engine_kwargs(args).items():
         if name in skip:
             continue
@@ -95,7 +98,7 @@ def _serve(args: argparse.Namespace) -> int:
                                    config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout,
-                 args.max_buffered_outputs)
+                 args.max_buffered_outputs, args.reasoning_parser)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -189,6 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="outputs a stream may hold for a client that reads slower than the "
                             "engine writes; past it the request is aborted (default 4096)")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
+                       help="split reasoning models' <think> output into reasoning_content: "
+                            "deepseek_r1, qwen3, deepseek_v3 (V3.1/V4 thinking mode)")
     serve.add_argument("--access-log", action="store_true")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (default: "

@@ -33,6 +33,8 @@ def chat_dict(msg: ChatMessage) -> dict:
         out["tool_call_id"] = msg.tool_call_id
     if msg.name is not None:
         out["name"] = msg.name
+    if msg.reasoning_content is not None:
+        out["reasoning_content"] = msg.reasoning_content
     return out
 
 
@@ -66,11 +68,13 @@ class Tokenizer:
 
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, template_kwargs: dict | None = None,
     ) -> str:
+        """`template_kwargs`: more variables for the template (the API refuses the names it
+        sets itself)."""
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
-        extra = {}
+        extra = dict(template_kwargs or {})
         if renders_tools(self.chat_template):
             if tools:
                 extra["tools"] = tools
@@ -94,9 +98,9 @@ class Tokenizer:
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True,
-        tools: list[dict] | None = None,
+        tools: list[dict] | None = None, template_kwargs: dict | None = None,
     ) -> tuple[str, list[int]]:
-        text = self.apply_chat_template(messages, add_generation_prompt, tools)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
         # The template already holds every special token it wants.
         return text, self.encode(text, add_special_tokens=False)
 

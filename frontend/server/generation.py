@@ -109,7 +109,8 @@ class Generation:
         prompt = sum(self.prompt_tokens[i] for i in firsts)
         completion = sum(self.completion_tokens)
         cached = sum(self.cached_tokens[i] for i in firsts)
-        return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached))
+        return Usage(prompt, completion, prompt + completion, PromptTokensDetails(cached),
+                     prompt_cache_hit_tokens=cached, prompt_cache_miss_tokens=prompt - cached)
 
     async def first_outputs(self) -> list[RequestOutput]:
         """Wait for every request's first output (prompt accepted or rejected).

@@ -14,6 +14,9 @@ class Usage(msgspec.Struct):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails | None = None
+    # DeepSeek's API reports the prefix cache this way too: hit + miss = prompt_tokens.
+    prompt_cache_hit_tokens: int = 0
+    prompt_cache_miss_tokens: int = 0
 
 
 # ---------------------------------------------------------------- chat
@@ -54,6 +57,9 @@ class ChatMessageOut(msgspec.Struct):
     refusal: str | None = None
     # Only on turns that called tools (left out, not null, otherwise; as OpenAI does).
     tool_calls: list[ToolCallOut] | msgspec.UnsetType = msgspec.UNSET
+    # With --reasoning-parser: the reasoning, under DeepSeek's name and vLLM's newer one.
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET
+    reasoning: str | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(msgspec.Struct):
@@ -93,6 +99,8 @@ class ToolCallDeltaOut(msgspec.Struct, omit_defaults=True):
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
     tool_calls: list[ToolCallDeltaOut] | None = None
 
 

@@ -37,6 +37,9 @@ class Message(msgspec.Struct, **_REQ):
     function_call: Any | None = None
     refusal: str | None = None
     audio: Any | None = None
+    # An assistant turn's reasoning sent back (DeepSeek asks for it after tool calls).
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
 
 class _SamplingFields(msgspec.Struct, **_REQ):
@@ -98,6 +101,10 @@ class ChatCompletionRequest(_SamplingFields, **_REQ):
     verbosity: str | None = None
     # extensions
     add_generation_prompt: bool | None = None
+    # Handed to the chat template (vLLM): e.g. {"thinking": true} or {"enable_thinking": false}.
+    chat_template_kwargs: dict[str, Any] | None = None
+    # DeepSeek's switch: {"type": "enabled"} or {"type": "disabled"}.
+    thinking: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields, **_REQ):

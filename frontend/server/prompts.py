@@ -39,7 +39,7 @@ def chat_messages(messages: list[Message]) -> list[ChatMessage]:
             raise APIError(f"unknown role {msg.role!r}", param=f"messages[{i}].role")
         role = "system" if msg.role == "developer" else msg.role
         out.append(ChatMessage(role, _content(msg, i), _tool_calls(msg, i), msg.tool_call_id,
-                               msg.name))
+                               msg.name, msg.reasoning_content or msg.reasoning))
     return out
 
 

@@ -101,6 +101,7 @@ def serve(
     api_key: str | None = None,
     shutdown_timeout: float = 30.0,
     max_buffered_outputs: int = 4096,
+    reasoning_parser: str | None = None,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
@@ -108,7 +109,8 @@ def serve(
 
     state = ServerState(max_pending, model_aliases=(config.model,),
                         grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,
-                        max_buffered_outputs=max_buffered_outputs)
+                        max_buffered_outputs=max_buffered_outputs,
+                        reasoning_parser=reasoning_parser)
     exit_code = 0
     server: _Server | None = None
 

@@ -31,7 +31,7 @@ class EngineClient(Protocol):
 class ServerState:
     def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
-                 max_buffered_outputs: int = 4096) -> None:
+                 max_buffered_outputs: int = 4096, reasoning_parser: str | None = None) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.draining = False  # shutting down: requests in flight finish, new ones get 503
@@ -43,6 +43,7 @@ class ServerState:
         # A stream whose client reads slower than the engine writes buffers its outputs here;
         # past this many the request is aborted rather than the server's memory grown.
         self.max_buffered_outputs = max_buffered_outputs
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
         self.created = int(time.time())
         self.failure: str | None = None
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from deepinfer.engine.protocol import ChatMessage
 from deepinfer.engine.tokenizer.detokenizer import IncrementalDetokenizer
-from deepinfer.engine.tokenizer.tokenizer import Tokenizer
+from deepinfer.engine.tokenizer.tokenizer import Tokenizer, chat_dict
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,17 @@ def test_ids_past_the_vocabulary_do_not_break_the_stream(tok):
     ids = tok.encode("hello world", add_special_tokens=False)
     d.add([ids[0], tok.vocab_size + 5, *ids[1:]])
     assert d.take(final=True) == "hello world"
+
+
+def test_template_kwargs_and_sent_back_reasoning_reach_the_template(default_model):
+    tok = Tokenizer(str(default_model))  # its own: a template that shows what it was given
+    tok.chat_template = ("{% for m in messages %}[{{ m.role }}|{{ m.reasoning_content }}]"
+                         "{% endfor %}{{ 'T' if thinking else 'F' }}")
+    msgs = [chat_dict(ChatMessage("assistant", "4", reasoning_content="2+2")),
+            chat_dict(ChatMessage("user", "and 3+3?"))]
+    assert tok.apply_chat_template(msgs, True, None, {"thinking": True}) == \
+        "[assistant|2+2][user|]T"
+    assert tok.apply_chat_template(msgs, True).endswith("F")
 
 
 def test_a_template_error_is_a_request_error_not_a_crash(default_model):

@@ -31,6 +31,7 @@ class FakeEngineClient:
         self.requests: list[GenerateRequest] = []
         self.aborted: list[str] = []
         self.on_failure = None
+        self.script: list[str] | None = None  # output pieces instead of " w0 w1 ..."
 
     @property
     def healthy(self) -> bool:
@@ -73,14 +74,15 @@ class FakeEngineClient:
         try:
             yield RequestOutput(rid, prompt_tokens=n_prompt, prompt_text=text)
             p = req.params
-            n_out = min(p.max_tokens, self.context_len - n_prompt)
+            n_out = min(p.max_tokens, self.context_len - n_prompt,
+                        len(self.script) if self.script is not None else p.max_tokens)
             for k in range(n_out):
                 await asyncio.sleep(self.delay)
                 if self.dead_reason is not None:
                     yield RequestOutput(rid, finish_reason=FinishReason.ERROR,
                                         error=f"engine failed: {self.dead_reason}")
                     return
-                piece = f" w{k}"
+                piece = self.script[k] if self.script is not None else f" w{k}"
                 lps = []
                 if p.logprobs is not None:
                     top = [TokenLogprob(200 + j, f" alt{j}", -1.0 - j) for j in range(p.logprobs)]

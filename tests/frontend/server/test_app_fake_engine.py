@@ -31,6 +31,8 @@ def test_chat_non_streaming(http, engine):
     assert body["usage"]["completion_tokens"] == 3
     assert body["usage"]["total_tokens"] == 5
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert (body["usage"]["prompt_cache_hit_tokens"], body["usage"]["prompt_cache_miss_tokens"]
+            ) == (0, 2)
     params = engine.requests[0].params
     assert params.max_tokens == 3 and params.temperature == 0.0
 

@@ -371,9 +371,28 @@ def test_repeated_chat_hits_the_prefix_cache(client, server):
     second = client.chat.completions.create(**kw)
     assert second.usage.prompt_tokens_details.cached_tokens > 0
     assert second.usage.prompt_tokens_details.cached_tokens < second.usage.prompt_tokens
+    # As DeepSeek's API reports it (the SDK keeps unknown fields).
+    extra = second.usage.model_extra
+    assert extra["prompt_cache_hit_tokens"] == second.usage.prompt_tokens_details.cached_tokens
+    assert extra["prompt_cache_hit_tokens"] + extra["prompt_cache_miss_tokens"] == \
+        second.usage.prompt_tokens
     assert second.choices[0].message.content == first.choices[0].message.content
     assert metric(server, "deepinfer_prefix_cache_hit_rate") > 0
     assert metric(server, "deepinfer_kv_blocks_cached") > 0
+
+
+def test_thinking_switches_and_sent_back_reasoning_cross_the_processes(client):
+    """The tiny model's template reads neither: the same prompt, the same greedy text."""
+    messages = [{"role": "user", "content": "2+2?"},
+                {"role": "assistant", "content": "4", "reasoning_content": "add them"},
+                {"role": "user", "content": "and 3+3?"}]
+    kw = dict(model="tiny", messages=messages, max_tokens=6, temperature=0, extra_body=NO_EOS)
+    plain = client.chat.completions.create(**kw)
+    switched = client.chat.completions.create(**kw | {"extra_body": NO_EOS | {
+        "chat_template_kwargs": {"enable_thinking": False}, "thinking": {"type": "enabled"},
+        "reasoning_effort": "low"}})
+    assert switched.choices[0].message.content == plain.choices[0].message.content
+    assert switched.usage.prompt_tokens == plain.usage.prompt_tokens
 
 
 def test_second_chat_turn_reuses_the_first_turn(client):

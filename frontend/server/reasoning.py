@@ -1,0 +1,119 @@
+"""Reasoning parsers (`--reasoning-parser NAME`): split a reasoning model's output into its
+reasoning (`reasoning_content`) and its answer (`content`), as the text streams in.
+
+Every family here writes its reasoning between `<think>` and `</think>`; they differ in where the
+reasoning starts:
+
+- `qwen3`: the model opens `<think>` itself (an answer without it has no reasoning).
+- `deepseek_r1`: the chat template already opened `<think>` in the prompt, so the output starts
+  inside the reasoning (a leading `<think>`, as older R1 checkpoints write, is dropped); an
+  output that never closes it is all reasoning.
+- `deepseek_v3` (V3.1 / V4 thinking mode): the template opens `<think>` only when thinking is on
+  for the request (`chat_template_kwargs`, or DeepSeek's `thinking`); off, everything is answer.
+
+A tag split across two chunks is held back until it can be told apart from text, so streamed
+and whole outputs split alike. The content never contains the tags.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+START, END = "<think>", "</think>"
+
+
+@dataclass
+class ReasoningDelta:
+    reasoning: str = ""
+    content: str = ""
+
+    def merge(self, later: ReasoningDelta) -> ReasoningDelta:
+        return ReasoningDelta(self.reasoning + later.reasoning, self.content + later.content)
+
+
+class ReasoningParser:
+    """One request's output. `opened`: the prompt already opened the reasoning."""
+
+    drops_leading_start = False  # an opened reasoning may still begin with `<think>`
+
+    def __init__(self, opened: bool) -> None:
+        # before: the model may open the reasoning; opened: it is open; reasoning: inside it;
+        # after_end: past `</think>` (newlines dropped); answer: the rest is content.
+        self.state = "opened" if opened else "before"
+        self.held = ""  # text that may still be the start of a tag
+
+    def feed(self, text: str) -> ReasoningDelta:
+        out = ReasoningDelta()
+        self.held += text
+        while self.held:
+            if self.state == "answer":
+                out.content, self.held = out.content + self.held, ""
+            elif self.state == "after_end":
+                self.held = self.held.lstrip("\n")
+                if self.held:
+                    self.state = "answer"
+            elif self.state == "reasoning":
+                at = self.held.find(END)
+                if at < 0:  # all of it is reasoning, but what may begin the end tag
+                    cut = len(self.held) - _partial_suffix(self.held, END)
+                    out.reasoning += self.held[:cut]
+                    self.held = self.held[cut:]
+                    break
+                out.reasoning += self.held[:at]
+                self.held = self.held[at + len(END):]
+                self.state = "after_end"
+            else:  # before or opened: does `<think>` come first?
+                stripped = self.held.lstrip()
+                if self.state == "before" or self.drops_leading_start:
+                    if stripped.startswith(START):
+                        self.held, self.state = stripped[len(START):], "reasoning"
+                        continue
+                    if START.startswith(stripped):  # maybe the tag, not all here yet
+                        break
+                self.state = "answer" if self.state == "before" else "reasoning"
+        return out
+
+    def finish(self) -> ReasoningDelta:
+        """The end of the output: what was held back. Unclosed reasoning stays reasoning."""
+        held, self.held = self.held, ""
+        if self.state in ("opened", "reasoning"):
+            return ReasoningDelta(reasoning=held)
+        return ReasoningDelta(content=held)
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """How many of text's last characters could begin `tag`."""
+    for n in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-n:]):
+            return n
+    return 0
+
+
+class Qwen3Parser(ReasoningParser):
+    def __init__(self, thinking: bool | None = None) -> None:
+        super().__init__(opened=False)
+
+
+class DeepSeekR1Parser(ReasoningParser):
+    drops_leading_start = True
+
+    def __init__(self, thinking: bool | None = None) -> None:
+        super().__init__(opened=True)
+
+
+class DeepSeekV3Parser(ReasoningParser):
+    """Thinking off (its template's default): the prompt closed the reasoning; all is answer."""
+
+    drops_leading_start = True
+
+    def __init__(self, thinking: bool | None = None) -> None:
+        super().__init__(opened=bool(thinking))
+        if not thinking:
+            self.state = "answer"
+
+
+REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
+    "deepseek_r1": DeepSeekR1Parser,
+    "qwen3": Qwen3Parser,
+    "deepseek_v3": DeepSeekV3Parser,
+}
