@@ -1,0 +1,66 @@
+"""`deepinfer serve --reasoning-parser qwen3` on a checkpoint whose greedy reply is a fixed
+script with a reasoning block (scripts/scripted_model.py), through the real `openai` SDK:
+reasoning_content apart from the answer, whole and streamed, and the same text without the
+parser."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from scripts.scripted_model import save_scripted_model
+from scripts.server_process import ServerProcess
+
+REASONING, ANSWER = "Adding two and three", "The answer is five"
+SCRIPT = f"<think>{REASONING}</think>{ANSWER}"
+ASK = [{"role": "user", "content": "What is two plus three?"}]
+
+
+@pytest.fixture(scope="module")
+def scripted_dir(tmp_path_factory):
+    return save_scripted_model(tmp_path_factory.mktemp("scripted") / "model", SCRIPT,
+                               ("<think>", "</think>"))
+
+
+def _client(srv: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{srv.base_url}/v1", api_key="none", max_retries=0,
+                         timeout=60)
+
+
+@pytest.fixture(scope="module")
+def client(scripted_dir):
+    srv = ServerProcess(scripted_dir, "--num-kv-blocks", "64", "--served-model-name", "s",
+                        "--reasoning-parser", "qwen3")
+    yield _client(srv)
+    assert srv.stop() == 0, srv.output()
+
+
+def test_the_reasoning_comes_apart_from_the_answer(client):
+    r = client.chat.completions.create(model="s", messages=ASK, max_tokens=40, temperature=0)
+    message = r.choices[0].message
+    assert message.content == ANSWER
+    assert message.model_extra["reasoning_content"] == message.model_extra["reasoning"] == \
+        REASONING
+    assert r.choices[0].finish_reason == "stop"
+
+
+def test_streamed_reasoning_then_answer(client):
+    stream = client.chat.completions.create(model="s", messages=ASK, max_tokens=40,
+                                            temperature=0, stream=True)
+    reasoning, content = "", ""
+    for chunk in stream:
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+    assert (reasoning, content) == (REASONING, ANSWER)
+
+
+def test_without_the_parser_the_model_writes_the_script(scripted_dir):
+    srv = ServerProcess(scripted_dir, "--num-kv-blocks", "64", "--served-model-name", "s")
+    try:
+        r = _client(srv).chat.completions.create(model="s", messages=ASK, max_tokens=40,
+                                                 temperature=0)
+        assert r.choices[0].message.content == SCRIPT
+    finally:
+        assert srv.stop() == 0, srv.output()
