@@ -19,6 +19,7 @@ from deepinfer.engine.settings import flag, settings
 from deepinfer.frontend.auth import resolve_api_key
 from deepinfer.frontend.router.policy import POLICIES
 from deepinfer.frontend.server.reasoning import REASONING_PARSERS
+from deepinfer.frontend.server.tool_formats import TOOL_CALL_PARSERS
 
 _SECRET_HELP = ("a file holding the secret DeepInfer's servers, PD router and nodes share to "
                 "authenticate each other (default: DEEPINFER_CLUSTER_SECRET); needed with "
@@ -57,6 +58,7 @@ def _replica_args(args: argparse.Namespace, model: str,
            str(args.max_buffered_outputs), "--log-level", args.log_level]
     if args.reasoning_parser:
         out += ["--reasoning-parser", args.reasoning_parser]
+    out += ["--tool-call-parser", args.tool_call_parser]
     for name, value in engine_kwargs(args).items():
         if name in skip:
             continue
@@ -98,7 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
                                    config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout,
-                 args.max_buffered_outputs, args.reasoning_parser)
+                 args.max_buffered_outputs, args.reasoning_parser, args.tool_call_parser)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -195,6 +197,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split reasoning models' <think> output into reasoning_content: "
                             "deepseek_r1, qwen3, deepseek_v3 (V3.1/V4 thinking mode)")
+    serve.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_CALL_PARSERS),
+                       help="how the model writes tool calls (default hermes: <tool_call> JSON "
+                            "blocks; deepseek_v3, deepseek_v31, qwen3_xml, llama3_json, ...)")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help="accepted for vLLM's scripts: tool_choice auto is always on")
     serve.add_argument("--access-log", action="store_true")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (default: "

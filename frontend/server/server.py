@@ -102,6 +102,7 @@ def serve(
     shutdown_timeout: float = 30.0,
     max_buffered_outputs: int = 4096,
     reasoning_parser: str | None = None,
+    tool_call_parser: str = "hermes",
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
@@ -110,7 +111,7 @@ def serve(
     state = ServerState(max_pending, model_aliases=(config.model,),
                         grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,
                         max_buffered_outputs=max_buffered_outputs,
-                        reasoning_parser=reasoning_parser)
+                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
     exit_code = 0
     server: _Server | None = None
 

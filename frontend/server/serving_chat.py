@@ -86,7 +86,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
     choices = []
     for i, r in enumerate(results):
         split = reasoning.split(i, "".join(r.text), final=True)
-        parser = ToolCallParser(tools)
+        parser = ToolCallParser(tools, state.tool_call_format)
         parser.feed(split.content)
         parser.finish()
         calls = [ToolCallOut(c.id, FunctionCallOut(c.name, c.arguments)) for c in parser.calls]
@@ -143,7 +143,7 @@ async def _events(
     def chunk(choices: list[ChatChunkChoice], **kw) -> bytes:
         return sse_event(_encode(ChatCompletionChunk(rid, created, model, choices, **kw)))
 
-    parsers = [ToolCallParser(tools) for _ in range(gen.n)]
+    parsers = [ToolCallParser(tools, gen.state.tool_call_format) for _ in range(gen.n)]
     try:
         for i in range(gen.n):
             yield chunk([ChatChunkChoice(i, ChatDelta(role="assistant", content=""))])

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from deepinfer.engine.protocol import GenerateRequest, SchedulerStats
 from deepinfer.frontend.server.errors import APIError, server_error
 from deepinfer.frontend.server.metrics import Metrics
+from deepinfer.frontend.server.tool_formats import TOOL_CALL_PARSERS
 
 
 class EngineClient(Protocol):
@@ -31,7 +32,8 @@ class EngineClient(Protocol):
 class ServerState:
     def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
-                 max_buffered_outputs: int = 4096, reasoning_parser: str | None = None) -> None:
+                 max_buffered_outputs: int = 4096, reasoning_parser: str | None = None,
+                 tool_call_parser: str = "hermes") -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.draining = False  # shutting down: requests in flight finish, new ones get 503
@@ -44,6 +46,7 @@ class ServerState:
         # past this many the request is aborted rather than the server's memory grown.
         self.max_buffered_outputs = max_buffered_outputs
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
+        self.tool_call_format = TOOL_CALL_PARSERS[tool_call_parser]  # (server/tool_formats.py)
         self.created = int(time.time())
         self.failure: str | None = None
 

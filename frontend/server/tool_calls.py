@@ -14,18 +14,16 @@ How the output is read depends on the mode:
 
 from __future__ import annotations
 
-import json
 import re
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.tool_formats import HERMES, CallFormat, json_call, loads
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
-OPEN_TAG = "<tool_call>"
-CLOSE_TAG = "</tool_call>"
 
 
 @dataclass
@@ -299,7 +297,7 @@ class _ArrayScanner:
 
     def _string_closed(self) -> None:
         if self.key_raw is not None:
-            self.key = _loads(self.key_raw)
+            self.key = loads(self.key_raw)
             self.key_raw = None
             self.expect = "colon"
         elif self.value_kind == "string":
@@ -313,7 +311,7 @@ class _ArrayScanner:
 
     def _end_value(self) -> None:
         if self.value_key == "name" and self.call is None:
-            name = _loads(self.name_raw)
+            name = loads(self.name_raw)
             self.call = self.log.start(name if isinstance(name, str) else self.name_raw)
             self._flush()
         self.value_kind = self.value_key = None
@@ -333,32 +331,10 @@ class _ArrayScanner:
             self.args = []
 
 
-def _loads(text: str) -> Any:
-    try:
-        return json.loads(text)
-    except ValueError:
-        return None
-
-
-def _as_call(text: str, known: set[str] | None) -> tuple[str, str] | None:
-    """(name, arguments JSON) when `text` is `{"name": ..., "arguments"|"parameters": ...}`."""
-    obj = _loads(text.strip())
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        return None
-    if known is not None and obj["name"] not in known:
-        return None
-    args = obj.get("arguments", obj.get("parameters"))
-    if isinstance(args, str):
-        return obj["name"], args  # already JSON text, as OpenAI sends it
-    if not isinstance(args, dict):
-        return None
-    return obj["name"], json.dumps(args, ensure_ascii=False, separators=(",", ":"))
-
-
-def _tag_prefix_len(text: str) -> int:
-    """Length of the longest end of `text` that could begin an OPEN_TAG."""
-    for n in range(min(len(text), len(OPEN_TAG) - 1), 0, -1):
-        if OPEN_TAG.startswith(text[-n:]):
+def _marker_prefix_len(text: str, markers: tuple[str, ...]) -> int:
+    """Length of the longest end of `text` that could begin one of `markers`."""
+    for n in range(min(len(text), max(len(m) for m in markers) - 1), 0, -1):
+        if any(m.startswith(text[-n:]) for m in markers):
             return n
     return 0
 
@@ -366,10 +342,12 @@ def _tag_prefix_len(text: str) -> int:
 class ToolCallParser:
     """Splits generated text into content and tool calls, incrementally."""
 
-    def __init__(self, setup: ToolSetup | None) -> None:
+    def __init__(self, setup: ToolSetup | None, fmt: CallFormat = HERMES) -> None:
+        """`fmt`: how the model writes a call in free text (tool_formats.py)."""
+        self.fmt = fmt
         self.mode = setup.mode if setup is not None else "none"
         self._named = setup.named if setup is not None else None
-        self._known = {f["name"] for f in setup.functions} if setup is not None else set()
+        self._functions = {f["name"]: f for f in setup.functions} if setup is not None else {}
         self._log = _CallLog()
         self._content: list[str] = []
         self._finished = False
@@ -418,7 +396,7 @@ class ToolCallParser:
         if self._leading is not None:  # only whitespace ever came
             return self._delta(self._leading)
         if self._bare_json:
-            call = _as_call(self._pending, self._known)
+            call = json_call(self._pending, self._functions)
             if call is not None:
                 self._log.start(*call)
                 return self._delta("")
@@ -447,23 +425,26 @@ class ToolCallParser:
         out: list[str] = []
         while True:
             if not self._in_block:
-                i = self._pending.find(OPEN_TAG)
+                for marker in self.fmt.drop:  # (whole ones: a split one is held below)
+                    self._pending = self._pending.replace(marker, "")
+                i = self._pending.find(self.fmt.open)
                 if i < 0:
-                    keep = _tag_prefix_len(self._pending)
+                    keep = _marker_prefix_len(self._pending, (self.fmt.open, *self.fmt.drop))
                     out.append(self._pending[: len(self._pending) - keep])
                     self._pending = self._pending[len(self._pending) - keep:]
                     break
                 out.append(self._pending[:i])
-                self._pending = self._pending[i + len(OPEN_TAG):]
+                self._pending = self._pending[i + len(self.fmt.open):]
                 self._in_block, self._searched = True, 0
             else:
                 # search only where the close tag could newly appear: blocks may come char by char
-                j = self._pending.find(CLOSE_TAG, self._searched)
+                close = self.fmt.close
+                j = self._pending.find(close, self._searched)
                 if j < 0:
-                    self._searched = max(len(self._pending) - len(CLOSE_TAG) + 1, 0)
+                    self._searched = max(len(self._pending) - len(close) + 1, 0)
                     break
                 out.append(self._block(self._pending[:j], closed=True))
-                self._pending = self._pending[j + len(CLOSE_TAG):]
+                self._pending = self._pending[j + len(close):]
                 self._in_block = False
         return "".join(out)
 
@@ -477,8 +458,8 @@ class ToolCallParser:
 
     def _block(self, body: str, closed: bool) -> str:
         """Log the block's call and return "", or return the block's original text as content."""
-        call = _as_call(body, None)
+        call = self.fmt.parse(body, self._functions)
         if call is not None:
             self._log.start(*call)
             return ""
-        return OPEN_TAG + body + (CLOSE_TAG if closed else "")
+        return self.fmt.open + body + (self.fmt.close if closed else "")
