@@ -58,7 +58,8 @@ def _replica_args(args: argparse.Namespace, model: str,
            str(args.max_buffered_outputs), "--log-level", args.log_level]
     if args.reasoning_parser:
         out += ["--reasoning-parser", args.reasoning_parser]
-    out += ["--tool-call-parser", args.tool_call_parser]
+    if args.tool_call_parser:
+        out += ["--tool-call-parser", args.tool_call_parser]
     for name, value in engine_kwargs(args).items():
         if name in skip:
             continue
@@ -197,9 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--reasoning-parser", default=None, choices=sorted(REASONING_PARSERS),
                        help="split reasoning models' <think> output into reasoning_content: "
                             "deepseek_r1, qwen3, deepseek_v3 (V3.1/V4 thinking mode)")
-    serve.add_argument("--tool-call-parser", default="hermes", choices=sorted(TOOL_CALL_PARSERS),
-                       help="how the model writes tool calls (default hermes: <tool_call> JSON "
-                            "blocks; deepseek_v3, deepseek_v31, qwen3_xml, llama3_json, ...)")
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_CALL_PARSERS),
+                       help="how the model writes tool calls (default: the format its chat "
+                            "template shows, else hermes: <tool_call> JSON blocks)")
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's scripts: tool_choice auto is always on")
     serve.add_argument("--access-log", action="store_true")

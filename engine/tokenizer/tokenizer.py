@@ -10,6 +10,7 @@ import jinja2
 import jinja2.sandbox
 from tokenizers import Tokenizer as HFTokenizer
 
+from deepinfer.engine.chat_template import read_chat_template
 from deepinfer.engine.protocol import ChatMessage
 from deepinfer.engine.tokenizer.tool_prompt import hermes_messages, renders_tools
 
@@ -46,13 +47,7 @@ class Tokenizer:
         cfg = json.loads(cfg_path.read_text()) if cfg_path.exists() else {}
         self.bos_token = _token_text(cfg.get("bos_token"))
         self.eos_token = _token_text(cfg.get("eos_token"))
-        template = cfg.get("chat_template")
-        jinja_path = path / "chat_template.jinja"
-        if template is None and jinja_path.exists():
-            template = jinja_path.read_text()
-        if isinstance(template, list):  # named templates: take the default one
-            template = next((t["template"] for t in template if t.get("name") == "default"), None)
-        self.chat_template: str | None = template
+        self.chat_template: str | None = read_chat_template(model_dir)
         self._compiled = None
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
 

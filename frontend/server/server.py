@@ -21,9 +21,11 @@ from collections.abc import Iterator
 import uvicorn
 from starlette.applications import Starlette
 
+from deepinfer.engine.chat_template import read_chat_template
 from deepinfer.engine.config import EngineConfig
 from deepinfer.frontend.server.app import build_app, start_engine
 from deepinfer.frontend.server.state import ServerState
+from deepinfer.frontend.server.tool_formats import format_for_template
 
 log = logging.getLogger("deepinfer.server")
 
@@ -102,7 +104,7 @@ def serve(
     shutdown_timeout: float = 30.0,
     max_buffered_outputs: int = 4096,
     reasoning_parser: str | None = None,
-    tool_call_parser: str = "hermes",
+    tool_call_parser: str | None = None,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
@@ -111,7 +113,9 @@ def serve(
     state = ServerState(max_pending, model_aliases=(config.model,),
                         grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,
                         max_buffered_outputs=max_buffered_outputs,
-                        reasoning_parser=reasoning_parser, tool_call_parser=tool_call_parser)
+                        reasoning_parser=reasoning_parser,
+                        tool_call_parser=tool_call_parser or format_for_template(
+                            read_chat_template(config.resolved_model_dir())))
     exit_code = 0
     server: _Server | None = None
 

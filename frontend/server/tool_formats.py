@@ -114,6 +114,17 @@ HERMES = CallFormat("<tool_call>", "</tool_call>", _hermes)
 _QWEN3_XML = CallFormat("<tool_call>", "</tool_call>", _qwen3_xml)
 _DS_DROP = (DS_CALLS_BEGIN, DS_CALLS_END)
 
+def format_for_template(template: str | None) -> str:
+    """The tool-call parser a chat template implies: the format it writes earlier calls back
+    in; hermes when it shows none it knows."""
+    template = template or ""
+    if DS_CALLS_BEGIN in template:  # V3 fences the arguments, V3.1 and V4 do not
+        return "deepseek_v3" if "```json" in template else "deepseek_v31"
+    if "<function=" in template and "<parameter=" in template:
+        return "qwen3_xml"
+    return "hermes"
+
+
 TOOL_CALL_PARSERS: dict[str, CallFormat] = {
     "hermes": HERMES,
     "llama3_json": HERMES,

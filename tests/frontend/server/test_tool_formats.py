@@ -9,7 +9,7 @@ import json
 import pytest
 
 from deepinfer.frontend.server.tool_calls import ToolCallParser
-from deepinfer.frontend.server.tool_formats import TOOL_CALL_PARSERS
+from deepinfer.frontend.server.tool_formats import TOOL_CALL_PARSERS, format_for_template
 from tests.frontend.server.test_tool_calls import check_stream, chunkings, setup
 
 B, E, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
@@ -79,3 +79,16 @@ def test_the_chat_endpoint_reads_calls_in_the_servers_format(engine):
     streamed = [t for d in deltas for t in d.get("tool_calls") or []]
     assert streamed[0]["function"]["name"] == "get_weather"
     assert json.loads("".join(t["function"]["arguments"] for t in streamed)) == {"city": "Rome"}
+
+
+@pytest.mark.parametrize(("template", "name"), [
+    ("{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + "
+     "tool['function']['name'] + '\\n```json\\n' }}", "deepseek_v3"),
+    ("{{ '<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['function']['name'] + "
+     "'<｜tool▁sep｜>' + tool['function']['arguments'] }}", "deepseek_v31"),
+    ("{{ '<tool_call>\\n<function=' + name + '>\\n<parameter=' + key + '>' }}", "qwen3_xml"),
+    ("{{ '<tool_call>' + call | tojson + '</tool_call>' }}", "hermes"),
+    (None, "hermes"),
+])
+def test_the_parser_follows_the_chat_template(template, name):
+    assert format_for_template(template) == name
