@@ -22,15 +22,29 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 from scripts.server_process import ServerProcess, descendants
+from scripts.tiny_models import save_tiny_model
 
 MAX_PENDING = 4
+# A request that runs for minutes (a 64-wide model decodes ~500 tokens/s here): a test of
+# aborting it cannot race its natural end, however slow the machine or the disconnect.
+CONTEXT = 65536
+FOREVER = 60000
 NO_EOS = {"ignore_eos": True}
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 @pytest.fixture(scope="module")
-def server(tiny_model_dir):
-    srv = ServerProcess(tiny_model_dir, "--num-kv-blocks", "128", "--max-model-len", "1024",
+def long_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model (same weights: RoPE has no parameters) with a 64k context."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-long"), tokenizer_from=tiny_model_dir,
+                           max_position_embeddings=CONTEXT)
+
+
+@pytest.fixture(scope="module")
+def server(long_model_dir):
+    blocks = CONTEXT // 16 + 16
+    srv = ServerProcess(long_model_dir, "--num-kv-blocks", str(blocks),
+                        "--max-model-len", str(CONTEXT),
                         "--max-pending", str(MAX_PENDING), "--served-model-name", "tiny")
     children = descendants(srv.proc.pid)
     yield srv
@@ -173,7 +187,7 @@ def _wait_running(http: httpx.Client, steps_before: float) -> None:
     """Until the request is admitted and the engine has stepped since `steps_before`.
 
     `http` is a client already connected, and each look is one scrape: a new client per look
-    costs more than the whole 900-token request may take, which would end before it was seen.
+    costs more than a short request may take, which would end before it was seen.
     """
     deadline = time.monotonic() + 60
     while True:
@@ -195,13 +209,13 @@ def _assert_aborted(server: ServerProcess, steps_before: float) -> None:
         time.sleep(0.1)
     assert metric(server, "deepinfer_requests_in_flight") == 0
     assert metric(server, "deepinfer_num_requests_running") == 0
-    # it stopped early, not by running to its 900 tokens
-    assert metric(server, "deepinfer_engine_steps_total") - steps_before < 600
+    # it stopped early, not by running to its end
+    assert metric(server, "deepinfer_engine_steps_total") - steps_before < FOREVER // 2
 
 
 def test_abort_mid_stream_frees_blocks(client, server):
     steps_before = metric(server, "deepinfer_engine_steps_total")
-    stream = client.completions.create(model="tiny", prompt="Count forever", max_tokens=900,
+    stream = client.completions.create(model="tiny", prompt="Count forever", max_tokens=FOREVER,
                                        stream=True, extra_body=NO_EOS)
     for i, _ in enumerate(stream):
         if i == 3:
@@ -211,7 +225,7 @@ def test_abort_mid_stream_frees_blocks(client, server):
 
 
 def _abort_by_closing_the_socket(server: ServerProcess, stream: bool) -> None:
-    body = json.dumps({"prompt": "Count forever", "max_tokens": 900, "ignore_eos": True,
+    body = json.dumps({"prompt": "Count forever", "max_tokens": FOREVER, "ignore_eos": True,
                        "model": "tiny", "stream": stream}).encode()
     with httpx.Client(base_url=server.base_url) as http:
         steps_before = _scrape(http)["deepinfer_engine_steps_total"]
@@ -253,10 +267,10 @@ BAD_CASES = [
     ("chat", {"messages": HELLO, "top_p": 2}, 400, None),
     ("chat", {"messages": HELLO, "n": 0}, 400, None),
     ("chat", {"messages": []}, 400, None),
-    ("chat", {"messages": [{"role": "user", "content": "word " * 1100}]}, 400, None),
+    ("chat", {"messages": [{"role": "user", "content": "word " * (CONTEXT + 10)}]}, 400, None),
     ("chat", {"messages": HELLO, "model": "nope"}, 404, None),
     ("chat", {"messages": HELLO, "n": MAX_PENDING + 1}, 503, None),
-    ("completions", {"prompt": "word " * 1100}, 400, None),
+    ("completions", {"prompt": "word " * (CONTEXT + 10)}, 400, None),
     ("completions", {"prompt": [10**9]}, 400, None),
     ("completions", {"prompt": "x", "max_tokens": "many"}, 400, None),
     # integers past what the engine can carry: a 400 naming the field, or clamped (top_k)
