@@ -184,6 +184,7 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     error: str | None = None
     replayed_tokens: int = 0
     kv_transfer: KVTransferParams | None = None  # a prefill server's held KV (last output)
+    stop_reason: str | None = None  # the stop string that finished it (vLLM's name)
 
 
 # Bounds (seconds) of the KV-transfer latency histogram (SchedulerStats.kv_transfer_buckets).

@@ -33,6 +33,7 @@ class IncrementalDetokenizer:
         self.text = ""
         self.sent = 0  # characters of self.text already emitted
         self.stopped = False
+        self.stop_string: str | None = None  # the stop string that ended the output
 
     def add(self, token_ids) -> int:
         """Feed new tokens; sets `stopped` when a stop string appears (text cut before it).
@@ -49,9 +50,10 @@ class IncrementalDetokenizer:
                 continue
             search_from = max(0, len(self.text) - self.hold)
             self.text += piece
-            hits = [i for i in (self.text.find(s, search_from) for s in self.stop) if i != -1]
+            hits = [(i, s) for s in self.stop if (i := self.text.find(s, search_from)) != -1]
             if hits:
-                self.text = self.text[: min(hits)]
+                at, self.stop_string = min(hits, key=lambda hit: hit[0])
+                self.text = self.text[:at]
                 self.stopped = True
         return len(token_ids)
 

@@ -164,6 +164,7 @@ class TokenizerService:
             error=delta.error,
             replayed_tokens=delta.replayed_tokens,
             kv_transfer=kv_transfer,
+            stop_reason=live.detok.stop_string,
         )
         if finish is not None:
             del self.live[delta.request_id]
