@@ -167,6 +167,9 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
         "json_schema", json.dumps(tool_schema, ensure_ascii=False))
     params = chat_params(req, state.context_len,
                          grammar_spec(req, state.grammar_max_bytes, tool_grammar))
+    if tools is not None and tools.mode == "auto" and state.tool_call_format.special_markers:
+        # The call markers are special tokens (Mistral's [TOOL_CALLS]): the parser must see them.
+        params = msgspec.structs.replace(params, skip_special_tokens=False)
     messages = chat_messages(req.messages)
     kwargs = template_kwargs(req)
     rendered_tools = tools.render_tools() if tools is not None else None

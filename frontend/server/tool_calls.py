@@ -9,7 +9,9 @@ How the output is read depends on the mode:
 - "none": everything is content.
 - "named": the grammar forced the output to be the named function's arguments.
 - "required": the grammar forced a JSON array `[{"name": ..., "arguments": {...}}, ...]`.
-- "auto": free text with Hermes-style `<tool_call>{...}</tool_call>` blocks, or a bare JSON call.
+- "auto": free text with calls in the family's format (tool_formats.py; Hermes-style
+  `<tool_call>{...}</tool_call>` by default), or a bare JSON call. A call in a block streams as
+  it arrives: its name once known, then its arguments as the model writes them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.frontend.server.errors import APIError
-from deepinfer.frontend.server.tool_formats import HERMES, CallFormat, json_call, loads
+from deepinfer.frontend.server.tool_formats import (
+    HERMES,
+    CallFormat,
+    json_call,
+    loads,
+)
 
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 _DEFAULT_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
@@ -359,6 +366,11 @@ class ToolCallParser:
         self._in_block = False
         self._leading: str | None = ""  # output while only whitespace came; None once decided
         self._bare_json = False
+        # the call of the block (or bare JSON answer) being streamed, and its arguments so far
+        self._streamed: int | None = None
+        self._sent = ""
+        self._array: _ArrayScanner | None = None  # a block that is a JSON array of calls
+        self._array_fed = 0
 
     @property
     def content(self) -> str:
@@ -419,6 +431,7 @@ class ToolCallParser:
             text, self._leading = self._leading, None
             self._bare_json = text.lstrip().startswith("{")
         if self._bare_json:
+            # held whole: text after the object would make it an answer, not a call
             self._pending += text
             return ""
         self._pending += text
@@ -438,13 +451,15 @@ class ToolCallParser:
                 self._in_block, self._searched = True, 0
             else:
                 # search only where the close tag could newly appear: blocks may come char by char
-                close = self.fmt.close
+                # (a format without one ends a call where the next opens, which stays pending)
+                close = self.fmt.close or self.fmt.open
                 j = self._pending.find(close, self._searched)
                 if j < 0:
                     self._searched = max(len(self._pending) - len(close) + 1, 0)
+                    self._stream_block(self._pending)
                     break
                 out.append(self._block(self._pending[:j], closed=True))
-                self._pending = self._pending[j + len(close):]
+                self._pending = self._pending[j + (len(close) if self.fmt.close else 0):]
                 self._in_block = False
         return "".join(out)
 
@@ -456,10 +471,49 @@ class ToolCallParser:
             return self._block(text, closed=False)
         return text
 
+    def _stream_block(self, body: str) -> None:
+        """Hand out what an open block's call(s) already show (not a tail that may be the
+        start of the marker ending the block)."""
+        body = body[: len(body) - _marker_prefix_len(body, (self.fmt.close or self.fmt.open,))]
+        if self._array is None and self._streamed is None and self.fmt.arrays \
+                and body.lstrip().startswith("["):
+            self._array = _ArrayScanner(self._log)
+        if self._array is not None:
+            self._array.feed(body[self._array_fed:])
+            self._array_fed = len(body)
+        elif self.fmt.partial is not None:
+            self._stream(self.fmt.partial(body, self._functions, False))
+
+    def _stream(self, call: tuple[str, str] | None) -> None:
+        """Start the call once its name is known; send the arguments not yet sent."""
+        if call is None:
+            return
+        name, arguments = call
+        if self._streamed is None:
+            self._streamed = self._log.start(name)
+        if arguments.startswith(self._sent):  # else the text was rewritten: keep what was sent
+            self._log.add(self._streamed, arguments[len(self._sent):])
+            self._sent = arguments
+
+    def _end_stream(self) -> None:
+        self._streamed, self._sent = None, ""
+        self._array, self._array_fed = None, 0
+
     def _block(self, body: str, closed: bool) -> str:
-        """Log the block's call and return "", or return the block's original text as content."""
-        call = self.fmt.parse(body, self._functions)
-        if call is not None:
-            self._log.start(*call)
+        """Log the block's call(s) and return "", or return the block's original text as
+        content."""
+        if self._array is not None:
+            self._array.feed(body[self._array_fed:])
+            self._end_stream()
             return ""
-        return self.fmt.open + body + (self.fmt.close if closed else "")
+        if self._streamed is not None:
+            assert self.fmt.partial is not None
+            self._stream(self.fmt.partial(body, self._functions, True))
+            self._end_stream()
+            return ""
+        calls = self.fmt.parse(body, self._functions)
+        if calls:
+            for call in calls:
+                self._log.start(*call)
+            return ""
+        return self.fmt.open + body + (self.fmt.close if closed and self.fmt.close else "")

@@ -351,8 +351,16 @@ def test_auto_partial_tag_at_chunk_boundary_is_held():
 
 
 def test_auto_unparseable_block_stays_content():
+    """...when it arrives whole. Streamed, a call goes out once its name and the start of its
+    arguments are seen (as vLLM's parsers do): what was sent stays sent, so the client gets the
+    arguments the model wrote."""
     text = 'A <tool_call>{"name": "get-time", "arguments": {</tool_call> B'
-    check_all_chunkings(setup(), text, text, [])
+    parser, _ = run(setup(), [text])
+    assert (parser.content, parser.calls) == (text, [])
+    parser, deltas = run(setup(), list(text))
+    check_stream(parser, deltas)
+    assert parser.content == "A  B"
+    assert [(c.name, c.arguments) for c in parser.calls] == [("get-time", "{")]
     no_name = '<tool_call>{"arguments": {}}</tool_call>'
     check_all_chunkings(setup(), no_name, no_name, [])
 

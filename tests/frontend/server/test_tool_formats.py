@@ -33,6 +33,11 @@ RECORDED = [
                                                     ("get-time", {})]),
     ("deepseek_v31", f'{RUN_B}{B}get_weather{SEP}{{"city": "Rome", "days": 1}}{E}{RUN_E}', "",
      [("get_weather", {"city": "Rome", "days": 1})]),
+    ("mistral", 'Let me check.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Oslo"}}'
+                ', {"name": "get-time", "arguments": {}}]', "Let me check.",
+     [("get_weather", {"city": "Oslo"}), ("get-time", {})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 2}[TOOL_CALLS]get-time'
+                "[ARGS]{}", "", [("get_weather", {"city": "Paris", "days": 2}), ("get-time", {})]),
     # Not a call: the block stays content, tags included.
     ("deepseek_v31", f"{B}no separator here{E} ok", f"{B}no separator here{E} ok", []),
 ]
@@ -54,8 +59,27 @@ def test_recorded_calls_parse_alike_however_the_text_streams(name, output, conte
 
 
 def test_every_listed_name_is_a_parser():
-    assert {"hermes", "llama3_json", "qwen3_xml", "qwen3_coder", "deepseek_v3",
+    assert {"hermes", "llama3_json", "mistral", "qwen3_xml", "qwen3_coder", "deepseek_v3",
             "deepseek_v31"} <= set(TOOL_CALL_PARSERS)
+
+
+@pytest.mark.parametrize(("name", "output", "content", "calls"),
+                         [r for r in RECORDED if r[3] and r[0] != "llama3_json"])
+def test_arguments_stream_before_the_call_ends(name, output, content, calls):
+    """Fed a character at a time, each call's name and the first part of its arguments go out
+    while the model is still writing them (llama3_json's bare answer is held whole: text after
+    the object would make it an answer)."""
+    parser = ToolCallParser(setup(), TOOL_CALL_PARSERS[name])
+    fragments: dict[int, list[str]] = {}  # call -> its argument fragments, one per feed
+    for c in output:
+        for delta in parser.feed(c).calls:
+            fragments.setdefault(delta.index, []).append(delta.arguments)
+    for delta in parser.finish().calls:
+        fragments.setdefault(delta.index, []).append(delta.arguments)
+    for i, (_, arguments) in enumerate(calls):
+        sent = [f for f in fragments[i] if f]
+        assert len(sent) >= (2 if arguments else 1), (i, fragments[i])
+        assert json.loads("".join(sent)) == arguments
 
 
 def test_the_chat_endpoint_reads_calls_in_the_servers_format(engine):
