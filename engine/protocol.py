@@ -52,6 +52,9 @@ class GrammarSpec(msgspec.Struct, **_STRUCT):
 
     kind: str
     spec: str = ""
+    # Text the output must write before the grammar starts (a reasoning model's `</think>`):
+    # the reasoning is free, the answer after it constrained.
+    after: str = ""
 
     def cache_key(self) -> tuple[str, str]:
         return (self.kind, self.spec)

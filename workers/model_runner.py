@@ -129,7 +129,8 @@ class ModelRunner:
             if new.params.grammar is not None:
                 grammars = self.grammars
                 state.grammar = grammars.backend.matcher(
-                    grammars.take(new.request_id, new.params.grammar))
+                    grammars.take(new.request_id, new.params.grammar),
+                    new.params.grammar.after)
             if new.output_ids:  # a decode after a remote prefill: its first token is known
                 first = unpack_ids(new.output_ids).tolist()
                 state.output_ids.extend(first)

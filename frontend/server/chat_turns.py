@@ -31,6 +31,7 @@ from deepinfer.frontend.server.kv_transfer import apply_kv_transfer
 from deepinfer.frontend.server.openai_responses import Usage
 from deepinfer.frontend.server.openai_schema import ChatCompletionRequest
 from deepinfer.frontend.server.prompts import chat_messages
+from deepinfer.frontend.server.reasoning import END as REASONING_END
 from deepinfer.frontend.server.reasoning import REASONING_PARSERS, ReasoningDelta, ReasoningParser
 from deepinfer.frontend.server.sampling import chat_params
 from deepinfer.frontend.server.state import ServerState
@@ -165,13 +166,17 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
     tool_schema = tools.grammar_schema() if tools is not None else None
     tool_grammar = None if tool_schema is None else GrammarSpec(
         "json_schema", json.dumps(tool_schema, ensure_ascii=False))
-    params = chat_params(req, state.context_len,
-                         grammar_spec(req, state.grammar_max_bytes, tool_grammar))
+    kwargs = template_kwargs(req)
+    grammar = grammar_spec(req, state.grammar_max_bytes, tool_grammar)
+    if grammar is not None and state.reasoning_parser is not None and \
+            REASONING_PARSERS[state.reasoning_parser].thinks(thinking_on(kwargs)):
+        # The answer follows the grammar, the reasoning before it does not (as in vLLM).
+        grammar = msgspec.structs.replace(grammar, after=REASONING_END)
+    params = chat_params(req, state.context_len, grammar)
     if tools is not None and tools.mode == "auto" and state.tool_call_format.special_markers:
         # The call markers are special tokens (Mistral's [TOOL_CALLS]): the parser must see them.
         params = msgspec.structs.replace(params, skip_special_tokens=False)
     messages = chat_messages(req.messages)
-    kwargs = template_kwargs(req)
     rendered_tools = tools.render_tools() if tools is not None else None
     n = req.n or 1
     params = apply_kv_transfer(request, req.kv_transfer_params, params, state, n,

@@ -36,6 +36,11 @@ class ReasoningParser:
 
     drops_leading_start = False  # an opened reasoning may still begin with `<think>`
 
+    @staticmethod
+    def thinks(thinking: bool | None) -> bool:
+        """Whether the output starts with reasoning (then a grammar waits for its end)."""
+        return thinking is not False
+
     def __init__(self, opened: bool) -> None:
         # before: the model may open the reasoning; opened: it is open; reasoning: inside it;
         # after_end: past `</think>` (newlines dropped); answer: the rest is content.
@@ -105,6 +110,10 @@ class DeepSeekV3Parser(ReasoningParser):
     """Thinking off (its template's default): the prompt closed the reasoning; all is answer."""
 
     drops_leading_start = True
+
+    @staticmethod
+    def thinks(thinking: bool | None) -> bool:
+        return bool(thinking)
 
     def __init__(self, thinking: bool | None = None) -> None:
         super().__init__(opened=bool(thinking))

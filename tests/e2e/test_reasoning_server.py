@@ -5,6 +5,8 @@ parser."""
 
 from __future__ import annotations
 
+import json
+
 import openai
 import pytest
 
@@ -54,6 +56,30 @@ def test_streamed_reasoning_then_answer(client):
             reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
             content += delta.content or ""
     assert (reasoning, content) == (REASONING, ANSWER)
+
+
+ONLY_FIVE = {"type": "object", "properties": {"answer": {"enum": [5]}}, "required": ["answer"],
+             "additionalProperties": False}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_constrains_only_the_answer(client, stream):
+    """The grammar starts after `</think>`: the reasoning is the model's own, the answer the
+    schema's (a grammar from the first token would have forced JSON into the reasoning)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ONLY_FIVE}}
+    kw = dict(model="s", messages=ASK, max_tokens=40, temperature=0, response_format=fmt)
+    if not stream:
+        message = client.chat.completions.create(**kw).choices[0].message
+        reasoning, content = message.model_extra["reasoning_content"], message.content
+    else:
+        reasoning = content = ""
+        for chunk in client.chat.completions.create(**kw, stream=True):
+            if chunk.choices:
+                delta = chunk.choices[0].delta
+                reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+                content += delta.content or ""
+    assert reasoning == REASONING
+    assert json.loads(content) == {"answer": 5}
 
 
 def test_without_the_parser_the_model_writes_the_script(scripted_dir):

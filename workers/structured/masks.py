@@ -24,6 +24,43 @@ class MaskedRows:
     first_row: int  # logits row of the input token; the drafts' rows follow
 
 
+class AfterMarker:
+    """A matcher that starts once the output has written `marker` (token ids): the reasoning
+    before it is free, the answer after it follows the grammar. It moves (and rolls back) over
+    tokens like the matcher it wraps, so masks, drafts and acceptance need not know."""
+
+    def __init__(self, inner, marker: list[int]) -> None:
+        self.inner, self.marker = inner, marker
+        self.free: list[int] = []  # tokens before the grammar started, the marker's included
+        self.started = not marker
+        self.constrained = 0  # tokens the inner matcher accepted (what a rollback may undo)
+
+    def is_terminated(self) -> bool:
+        return self.started and self.inner.is_terminated()
+
+    def accept_token(self, token: int) -> bool:
+        if self.started:
+            ok = self.inner.accept_token(token)
+            self.constrained += ok
+            return ok
+        self.free.append(token)
+        self.started = self.free[-len(self.marker):] == self.marker
+        return True
+
+    def rollback(self, n: int) -> None:
+        inner = min(n, self.constrained)
+        if inner:
+            self.inner.rollback(inner)
+            self.constrained -= inner
+        if n > inner:  # back into the free part: before the marker's end again
+            del self.free[len(self.free) - (n - inner):]
+            self.started = False
+
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        if self.started:  # else the row stays as allocated: every token allowed
+            self.inner.fill_next_token_bitmask(bitmask, row)
+
+
 def allowed_drafts(matcher, drafts: list[int], keep_refused: bool) -> list[int]:
     """The drafts up to the first the grammar refuses. With `keep_refused` that one stays: a
     draft sampled from a distribution must still meet rejection sampling (which then rejects it

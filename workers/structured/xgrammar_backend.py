@@ -14,6 +14,7 @@ import torch
 import xgrammar as xgr
 
 from deepinfer.engine.protocol import GrammarSpec
+from deepinfer.workers.structured.masks import AfterMarker
 
 # xgrammar's C++ errors start with "[hh:mm:ss] /path/file.cc:123: "; users need the rest.
 _LOCATION = re.compile(r"^\[[\d:]+\] \S+:\d+: (Check failed: \(.*?\) is false: )?")
@@ -29,10 +30,11 @@ def _clean(exc: Exception) -> str:
 
 
 class XGrammarBackend:
-    def __init__(self, info: xgr.TokenizerInfo, threads: int = 1) -> None:
+    def __init__(self, info: xgr.TokenizerInfo, threads: int = 1, tokenizer=None) -> None:
         # The compile service caches by spec itself (it also shares in-flight compiles).
         self.compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
         self.vocab_size = info.vocab_size
+        self.tokenizer = tokenizer  # a transformers tokenizer: encodes a GrammarSpec's `after`
 
     @classmethod
     def for_model(cls, model_dir: str, vocab_size: int, stop_token_ids: list[int]
@@ -44,7 +46,8 @@ class XGrammarBackend:
         tokenizer = PreTrainedTokenizerFast(
             tokenizer_file=str(Path(model_dir) / "tokenizer.json"))
         return cls(xgr.TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)))
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)),
+            tokenizer=tokenizer)
 
     def compile(self, spec: GrammarSpec) -> xgr.CompiledGrammar:
         """Raises GrammarError naming the problem."""
@@ -66,9 +69,14 @@ class XGrammarBackend:
             raise GrammarError(f"invalid {_NAMES[spec.kind]}: {_clean(exc)}") from exc
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
-    @staticmethod
-    def matcher(compiled: xgr.CompiledGrammar) -> xgr.GrammarMatcher:
-        return xgr.GrammarMatcher(compiled)
+    def matcher(self, compiled: xgr.CompiledGrammar, after: str = ""):
+        """A matcher of `compiled`; with `after`, one that starts once the output wrote it (as
+        the tokenizer encodes it alone: reasoning markers are single added tokens)."""
+        matcher = xgr.GrammarMatcher(compiled)
+        if not after:
+            return matcher
+        marker = self.tokenizer.encode(after, add_special_tokens=False)
+        return AfterMarker(matcher, list(marker))
 
     def allocate(self, rows: int) -> torch.Tensor:
         """A bitmask for `rows` logits rows, every token allowed."""

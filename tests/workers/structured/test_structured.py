@@ -18,6 +18,7 @@ from deepinfer.workers.sample.rejection import Verification, verify  # noqa: E40
 from deepinfer.workers.sample.sampler import Sampler, SamplingState  # noqa: E402
 from deepinfer.workers.structured.compile_service import GrammarCompileService  # noqa: E402
 from deepinfer.workers.structured.masks import (  # noqa: E402
+    AfterMarker,
     MaskedRows,
     accept,
     allowed_drafts,
@@ -248,3 +249,52 @@ def test_compile_service_times_out():
     assert got == {"r": "grammar compilation took longer than 0.1 s"}
     time.sleep(1.1)  # the compile ends later: no second answer, and it is cached for others
     assert answers(service, [("s", GrammarSpec("regex", "slow"))]) == {"s": None}
+
+
+# --- a grammar that starts after the reasoning ------------------------------------------------
+
+MARK = [3, 4]  # "d", "e": the toy vocabulary's `</think>`
+
+
+def after_marker(backend, regex: str) -> AfterMarker:
+    return AfterMarker(backend.matcher(backend.compile(GrammarSpec("regex", regex))), MARK)
+
+
+def test_the_grammar_starts_after_the_marker(backend):
+    m = after_marker(backend, "ab")
+    assert allowed(backend, m) == set(range(V))  # reasoning: anything
+    for token in [2, 0, 3]:  # "c", "a", then half of the marker: still free
+        assert m.accept_token(token)
+        assert allowed(backend, m) == set(range(V))
+    assert m.accept_token(4)  # the marker is complete: the grammar rules from here
+    assert allowed(backend, m) == {0}
+    assert m.accept_token(0) and not m.accept_token(0)
+    assert allowed(backend, m) == {1}
+    assert m.accept_token(1) and m.accept_token(EOS) and m.is_terminated()
+
+
+def test_rollback_across_the_marker(backend):
+    """Drafts are checked and rolled back: a rollback over the marker's end frees the output
+    again, and moving forward anew gives the same masks."""
+    m = after_marker(backend, "ab")
+    for token in [2, 3, 4, 0]:
+        assert m.accept_token(token)
+    m.rollback(2)  # "a" and the marker's last token
+    assert not m.started and allowed(backend, m) == set(range(V))
+    assert m.accept_token(4) and allowed(backend, m) == {0}
+    assert m.accept_token(0) and allowed(backend, m) == {1}
+    assert allowed_drafts(m, [1, 1], keep_refused=False) == [1]
+    assert allowed(backend, m) == {1}  # allowed_drafts rolled back what it tried
+
+
+def test_the_backend_encodes_the_marker_with_its_tokenizer(tmp_path):
+    from transformers import PreTrainedTokenizerFast
+
+    from scripts.scripted_model import save_scripted_model
+
+    model = save_scripted_model(tmp_path / "m", "<think>x</think>y", ("<think>", "</think>"))
+    b = XGrammarBackend.for_model(str(model), 49152 + 64, [SMOL_EOS])
+    m = b.matcher(b.compile(GrammarSpec("regex", "y")), after="</think>")
+    think_end = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json")).encode(
+        "</think>", add_special_tokens=False)
+    assert isinstance(m, AfterMarker) and m.marker == think_end and len(think_end) == 1
