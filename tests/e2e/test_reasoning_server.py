@@ -37,6 +37,21 @@ def client(scripted_dir):
     assert srv.stop() == 0, srv.output()
 
 
+def _ask(client: openai.OpenAI, stream: bool, **kw) -> tuple[str, str]:
+    """(reasoning, content) of a chat answer to ASK, whole or streamed."""
+    kw = dict(model="s", messages=ASK, max_tokens=40, temperature=0, **kw)
+    if not stream:
+        message = client.chat.completions.create(**kw).choices[0].message
+        return message.model_extra["reasoning_content"], message.content
+    reasoning = content = ""
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        if chunk.choices:
+            delta = chunk.choices[0].delta
+            reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
+            content += delta.content or ""
+    return reasoning, content
+
+
 def test_the_reasoning_comes_apart_from_the_answer(client):
     r = client.chat.completions.create(model="s", messages=ASK, max_tokens=40, temperature=0)
     message = r.choices[0].message
@@ -67,17 +82,7 @@ def test_structured_output_constrains_only_the_answer(client, stream):
     """The grammar starts after `</think>`: the reasoning is the model's own, the answer the
     schema's (a grammar from the first token would have forced JSON into the reasoning)."""
     fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ONLY_FIVE}}
-    kw = dict(model="s", messages=ASK, max_tokens=40, temperature=0, response_format=fmt)
-    if not stream:
-        message = client.chat.completions.create(**kw).choices[0].message
-        reasoning, content = message.model_extra["reasoning_content"], message.content
-    else:
-        reasoning = content = ""
-        for chunk in client.chat.completions.create(**kw, stream=True):
-            if chunk.choices:
-                delta = chunk.choices[0].delta
-                reasoning += (delta.model_extra or {}).get("reasoning_content") or ""
-                content += delta.content or ""
+    reasoning, content = _ask(client, stream, response_format=fmt)
     assert reasoning == REASONING
     assert json.loads(content) == {"answer": 5}
 
@@ -90,3 +95,24 @@ def test_without_the_parser_the_model_writes_the_script(scripted_dir):
         assert r.choices[0].message.content == SCRIPT
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+@pytest.fixture(scope="module")
+def r1_client(tmp_path_factory):
+    """DeepSeek-R1's way: the template opens `<think>` in the prompt, the model only closes it."""
+    model = save_scripted_model(tmp_path_factory.mktemp("r1") / "model", f"{REASONING}</think>"
+                                f"{ANSWER}", ("<think>", "</think>"))
+    template = model / "chat_template.jinja"
+    opening = "{{ '<|im_start|>assistant\n' }}"
+    assert opening in template.read_text()
+    template.write_text(template.read_text().replace(
+        opening, "{{ '<|im_start|>assistant\n<think>\n' }}"))
+    srv = ServerProcess(model, "--num-kv-blocks", "64", "--served-model-name", "s",
+                        "--reasoning-parser", "deepseek_r1")
+    yield _client(srv)
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_deepseek_r1_reasoning_opened_by_the_template(r1_client, stream):
+    assert _ask(r1_client, stream) == (REASONING, ANSWER)
