@@ -28,8 +28,11 @@ def payload(endpoint: str, model: str, req: BenchRequest, temperature: float,
         "max_tokens": req.output_len,
         "temperature": temperature,
         "stream": True,
-        "stream_options": {"include_usage": True},
     }
+    if endpoint.endswith("/messages"):  # Anthropic's API: no usage option, no ignore_eos
+        body["messages"] = [{"role": "user", "content": req.prompt}]
+        return body
+    body["stream_options"] = {"include_usage": True}
     if ignore_eos and req.ignore_eos:
         body["ignore_eos"] = True
     if endpoint.endswith("chat/completions"):
@@ -40,13 +43,29 @@ def payload(endpoint: str, model: str, req: BenchRequest, temperature: float,
 
 
 def _chunk_text(obj: dict[str, Any]) -> str:
+    """The text an event adds: content or reasoning, OpenAI's or Anthropic's shapes."""
+    if obj.get("type") == "content_block_delta":
+        delta = obj.get("delta") or {}
+        return delta.get("text") or delta.get("thinking") or ""
     choices = obj.get("choices") or []
     if not choices:
         return ""
     choice = choices[0]
     if "delta" in choice:
-        return choice["delta"].get("content") or ""
+        delta = choice["delta"]
+        return delta.get("content") or delta.get("reasoning_content") or ""
     return choice.get("text") or ""
+
+
+def _usage(obj: dict[str, Any]) -> tuple[int, int]:
+    """(prompt, output) tokens an event reports, 0 where it says nothing."""
+    if obj.get("type") == "message_start":
+        usage = (obj.get("message") or {}).get("usage") or {}
+        return usage.get("input_tokens", 0) + usage.get("cache_read_input_tokens", 0), 0
+    usage = obj.get("usage") or {}
+    if obj.get("type") == "message_delta":
+        return 0, usage.get("output_tokens", 0)
+    return usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
 
 
 async def send(session, url: str, body: dict[str, Any]) -> RequestResult:
@@ -71,6 +90,8 @@ async def send(session, url: str, body: dict[str, Any]) -> RequestResult:
                 if "error" in obj:
                     result.error = str(obj["error"].get("message", obj["error"]))
                     return result
+                if obj.get("type") == "message_stop":  # Anthropic's stream has no [DONE]
+                    break
                 now = time.perf_counter()
                 if _chunk_text(obj):
                     if chunks == 0:
@@ -79,10 +100,9 @@ async def send(session, url: str, body: dict[str, Any]) -> RequestResult:
                         result.itl.append(now - last)
                     chunks += 1
                     last = now
-                usage = obj.get("usage")
-                if usage:
-                    result.prompt_tokens = usage.get("prompt_tokens", 0)
-                    result.output_tokens = usage.get("completion_tokens", 0)
+                prompt, output = _usage(obj)
+                result.prompt_tokens = prompt or result.prompt_tokens
+                result.output_tokens = output or result.output_tokens
         result.e2e = time.perf_counter() - start
         if not result.output_tokens:
             result.output_tokens = chunks  # no usage from this server: one chunk ~ one token

@@ -29,7 +29,7 @@ from deepinfer.frontend.bench.spec_decode import scrape_spec_counters, spec_repo
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--base-url", default="http://127.0.0.1:8000")
     p.add_argument("--endpoint", default="/v1/completions",
-                   choices=["/v1/completions", "/v1/chat/completions"])
+                   choices=["/v1/completions", "/v1/chat/completions", "/v1/messages"])
     p.add_argument("--model", default=None, help="default: the first model of /v1/models")
     p.add_argument("--dataset", default="random",
                    choices=["random", "shared-prefix", "input-grounded"],
@@ -59,7 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def check_args(args: argparse.Namespace) -> None:
     """Refuse combinations that would measure something else than asked (ValueError)."""
-    if args.dataset == "input-grounded" and not args.endpoint.endswith("chat/completions"):
+    if args.dataset == "input-grounded" and args.endpoint != "/v1/chat/completions":
         # The prompts are user messages: as raw completion text the model would not answer them.
         raise ValueError("--dataset input-grounded needs --endpoint /v1/chat/completions")
 
