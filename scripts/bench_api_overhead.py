@@ -61,7 +61,7 @@ def main() -> int:
                "reasoning": ServerProcess(args.model, "--reasoning-parser", "deepseek_r1")}
     runs: dict[str, list[dict]] = {side: [] for side in SIDES}
     try:
-        for side, (server, endpoint) in SIDES.items():  # warm-up: compile, caches, pages
+        for server, endpoint in SIDES.values():  # warm-up: compile, caches, pages
             run_side(servers[server], endpoint, argparse.Namespace(**{
                 **vars(args), "num_prompts": args.concurrency}))
         for _ in range(args.repeats):
