@@ -161,6 +161,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     grammar_max_bytes: Annotated[int, setting(
         "structured output: longest schema, regex, EBNF or choice list accepted, in bytes "
         "(default 65536)", at_least=1)] = 65536
+    # The API server's (frontend/server/responses_store.py): in memory, per server process.
+    responses_store_size: Annotated[int, setting(
+        "/v1/responses: finished responses kept (store: true) for GET and "
+        "previous_response_id, least recently used first out (default 1000; 0: none)",
+        at_least=0)] = 1000
     # Either mode still serves ordinary requests (engine/kvcache/connectors/transfer.py).
     disaggregation_mode: Annotated[str, setting(
         "prefill/decode disaggregation: prefill (computes prompts and serves their KV to decode "

@@ -148,6 +148,9 @@ class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
     tools: list[dict] | None = None
     # More variables for the chat template (chat_template_kwargs; e.g. thinking on or off).
     template_kwargs: dict | None = None
+    # Tokenize only (Anthropic's count_tokens): the tokenizer answers with the prompt's length
+    # and a finish; nothing reaches the scheduler.
+    count_only: bool = False
 
 
 class Abort(msgspec.Struct, tag=True, **_STRUCT):

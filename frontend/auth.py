@@ -1,7 +1,7 @@
 """Bearer-token access control shared by the API server and the router: with a key set
-(`--api-key`, or DEEPINFER_API_KEY), every /v1 route wants `Authorization: Bearer <key>` and
-answers 401 otherwise; /health, /metrics and /version stay open (service managers and scrapers
-need them)."""
+(`--api-key`, or DEEPINFER_API_KEY), every /v1 route wants `Authorization: Bearer <key>` (the
+Anthropic routes, /v1/messages*, take `x-api-key: <key>` as well) and answers 401 otherwise;
+/health, /metrics and /version stay open (service managers and scrapers need them)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,14 @@ def resolve_api_key(flag: str | None) -> str | None:
     return flag or os.environ.get("DEEPINFER_API_KEY") or None
 
 
-def authorized(api_key: str | None, path: str, authorization: str | None) -> bool:
+def authorized(api_key: str | None, path: str, authorization: str | None,
+               x_api_key: str | None = None) -> bool:
+    """`x_api_key`: the `x-api-key` header, which Anthropic's clients send instead of a Bearer
+    token; taken on the /v1/messages routes only."""
     if not api_key or not path.startswith("/v1"):
+        return True
+    if (x_api_key is not None and path.startswith("/v1/messages")
+            and hmac.compare_digest(x_api_key.encode(), api_key.encode())):
         return True
     expected = f"Bearer {api_key}".encode()
     return hmac.compare_digest((authorization or "").encode(), expected)

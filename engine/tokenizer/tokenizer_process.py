@@ -81,6 +81,9 @@ class TokenizerService:
                 raise ValueError("a prompt, prompt token ids or messages are required")
             if not ids:
                 raise ValueError("the prompt is empty")
+            if req.count_only:
+                return None, RequestOutput(req.request_id, finish_reason=FinishReason.STOP,
+                                           prompt_tokens=len(ids))
             if len(ids) >= self.context_len:
                 raise ValueError(
                     f"the prompt has {len(ids)} tokens; this server's context length (the "

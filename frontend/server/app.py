@@ -26,6 +26,12 @@ from deepinfer.frontend.server.openai_responses import ModelCard, ModelList
 from deepinfer.frontend.server.openapi import openapi_document
 from deepinfer.frontend.server.serving_chat import create_chat_completion
 from deepinfer.frontend.server.serving_completion import create_completion
+from deepinfer.frontend.server.serving_messages import (
+    count_message_tokens,
+    create_message,
+    error_response,
+)
+from deepinfer.frontend.server.serving_responses import create_response, stored_response
 from deepinfer.frontend.server.state import EngineClient, ServerState
 
 log = logging.getLogger("deepinfer.api")
@@ -40,23 +46,29 @@ def version() -> str:
         return "0.1.0"
 
 
-def _route(state: ServerState, name: str, handler: Handler):
-    """Wrap a handler: APIError -> OpenAI error body, crash -> 500, count every status."""
+def _route(state: ServerState, name: str, handler: Handler,
+           error: Callable[[APIError], Response] | None = None):
+    """Wrap a handler: APIError -> OpenAI error body (or `error`'s shape), crash -> 500, count
+    every status."""
+    respond = error or APIError.response
 
     async def endpoint(request: Request) -> Response | SSEResponse:
         if state.api_key and not authorized(state.api_key, request.url.path,
-                                            request.headers.get("authorization")):
+                                            request.headers.get("authorization"),
+                                            request.headers.get("x-api-key")):
             state.metrics.requests.labels(name, "401").inc()
+            if error is not None:
+                return error(APIError("unauthorized", 401, code="invalid_api_key"))
             return JSONResponse(UNAUTHORIZED, status_code=401)
         try:
             response = await handler(state, request)
         except APIError as exc:
-            response = exc.response()
+            response = respond(exc)
         except ClientDisconnect:  # gone while sending its body: nobody to answer
             response = Response(status_code=499)
         except Exception:
             log.exception("unhandled error in %s", name)
-            response = APIError("internal server error", 500, type="server_error").response()
+            response = respond(APIError("internal server error", 500, type="server_error"))
         state.metrics.requests.labels(name, str(response.status_code)).inc()
         return response
 
@@ -142,6 +154,14 @@ def build_app(
               methods=["POST"]),
         Route("/v1/completions", _route(state, "completions", create_completion),
               methods=["POST"]),
+        Route("/v1/messages", _route(state, "messages", create_message, error_response),
+              methods=["POST"]),
+        Route("/v1/messages/count_tokens",
+              _route(state, "count_tokens", count_message_tokens, error_response),
+              methods=["POST"]),
+        Route("/v1/responses", _route(state, "responses", create_response), methods=["POST"]),
+        Route("/v1/responses/{response_id}", _route(state, "responses", stored_response),
+              methods=["GET", "DELETE"]),
         Route("/v1/models", _route(state, "models", _models), methods=["GET"]),
         Route("/health", _route(state, "health", _health), methods=["GET"]),
         Route("/metrics", _route(state, "metrics", _metrics), methods=["GET"]),

@@ -159,8 +159,10 @@ class ChatRun:
 
 
 async def start_chat(state: ServerState, request: Request, req: ChatCompletionRequest,
-                     rid: str) -> ChatRun:
-    """Validate `req`, admit its engine requests and wait for their first outputs."""
+                     rid: str, count_only: bool = False) -> ChatRun:
+    """Validate `req`, admit its engine requests and wait for their first outputs.
+    `count_only`: only tokenize (the run's usage has the prompt's length; it generates
+    nothing)."""
     state.check_model(req.model)
     tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     tool_schema = tools.grammar_schema() if tools is not None else None
@@ -185,7 +187,7 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
     engine_requests = [
         GenerateRequest(f"{rid}-{i}", seeded(params, i), messages=messages,
                         add_generation_prompt=add_prompt, tools=rendered_tools,
-                        template_kwargs=kwargs)
+                        template_kwargs=kwargs, count_only=count_only)
         for i in range(n)
     ]
     gen = Generation(state, "chat", engine_requests, param="messages")

@@ -1,6 +1,7 @@
 """GET /openapi.json: the server's OpenAPI 3.1 description, generated from the structs the
 handlers decode requests into and encode responses from (openai_schema.py,
-openai_responses.py), so it cannot drift from what the server accepts."""
+openai_responses.py, responses_schema.py, responses_objects.py, anthropic_schema.py), so it
+cannot drift from what the server accepts."""
 
 from __future__ import annotations
 
@@ -8,8 +9,17 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.frontend.server.anthropic_schema import (
+    CountTokensRequest,
+    ErrorOut,
+    MessageOut,
+    MessagesRequest,
+    TokenCount,
+)
 from deepinfer.frontend.server.openai_responses import ChatCompletion, Completion, ModelList
 from deepinfer.frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest
+from deepinfer.frontend.server.responses_objects import ResponseDeleted, ResponseObject
+from deepinfer.frontend.server.responses_schema import ResponsesRequest
 
 _REF = "#/components/schemas/{name}"
 
@@ -50,10 +60,58 @@ def _plain_get(name: str, summary: str, content: dict[str, Any]) -> dict[str, An
                                   **_errors(401, 503)}}}
 
 
+def _by_response_id(name: str, summary: str, schema: dict[str, Any]) -> dict[str, Any]:
+    return {"operationId": name, "summary": summary,
+            "parameters": [{"name": "response_id", "in": "path", "required": True,
+                            "schema": {"type": "string"}}],
+            "responses": {
+                "200": {"description": summary,
+                        "content": {"application/json": {"schema": schema}}},
+                "404": {"description": "no stored response of that id", "content": {
+                    "application/json": {"schema": {"$ref": _REF.format(name="Error")}}}},
+                **_errors(401)}}
+
+
+def _responses_api(created: dict[str, Any], response: dict[str, Any],
+                   deleted: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The Responses API's paths: create, then get or delete a stored response by its id."""
+    create = _generation("createResponse", "model response (OpenAI Responses API)", created,
+                         response)
+    create["post"]["responses"]["404"]["description"] = \
+        "no such model, or no stored response of that previous_response_id"
+    return {"/v1/responses": create, "/v1/responses/{response_id}": {
+        "get": _by_response_id("getResponse", "a stored response", response),
+        "delete": _by_response_id("deleteResponse", "the response deleted", deleted)}}
+
+
+def _messages_api(doc: dict[str, Any], api_key: bool) -> None:
+    """Add Anthropic's Messages API: its schemas (named Anthropic*, apart from OpenAI's), its
+    two paths, and with a key, `x-api-key` as a second way to give it."""
+    ref = _REF.format(name="Anthropic{name}")
+    (create, count, message, tokens, error), schemas = msgspec.json.schema_components(
+        [MessagesRequest, CountTokensRequest, MessageOut, TokenCount, ErrorOut], ref_template=ref)
+    doc["components"]["schemas"].update({f"Anthropic{k}": v for k, v in schemas.items()})
+    messages = _generation("createMessage", "message (Anthropic Messages API)", create, message)
+    counting = _generation("countMessageTokens", "the prompt's token count", count, tokens)
+    counting["post"]["responses"]["200"] = {"description": "the prompt's token count",
+                                            "content": {"application/json": {"schema": tokens}}}
+    for op in (messages["post"], counting["post"]):
+        for code, answer in op["responses"].items():
+            if code != "200":
+                answer["content"]["application/json"]["schema"] = error
+        if api_key:
+            op["security"] = [{"bearer": []}, {"x-api-key": []}]
+    doc["paths"].update({"/v1/messages": messages, "/v1/messages/count_tokens": counting})
+    if api_key:
+        doc["components"]["securitySchemes"]["x-api-key"] = {
+            "type": "apiKey", "in": "header", "name": "x-api-key"}
+
+
 def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
-    (chat, completion, chat_out, completion_out, models), schemas = \
-        msgspec.json.schema_components(
-            [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, ModelList],
+    (chat, completion, chat_out, completion_out, models, responses_in, response, deleted), \
+        schemas = msgspec.json.schema_components(
+            [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, ModelList,
+             ResponsesRequest, ResponseObject, ResponseDeleted],
             ref_template=_REF)
     schemas["Error"] = _error_body()
     doc: dict[str, Any] = {
@@ -65,6 +123,7 @@ def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
                 "createChatCompletion", "chat completion", chat, chat_out),
             "/v1/completions": _generation(
                 "createCompletion", "text completion", completion, completion_out),
+            **_responses_api(responses_in, response, deleted),
             "/v1/models": _plain_get("listModels", "the served model",
                                      {"application/json": {"schema": models}}),
             "/health": {"get": {"operationId": "health", "summary": "200 while serving",
@@ -84,4 +143,5 @@ def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
             if path.startswith("/v1/"):
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
+    _messages_api(doc, api_key)
     return doc

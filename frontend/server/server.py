@@ -114,6 +114,7 @@ def serve(
                         grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,
                         max_buffered_outputs=max_buffered_outputs,
                         reasoning_parser=reasoning_parser,
+                        responses_store_size=config.responses_store_size,
                         tool_call_parser=tool_call_parser or format_for_template(
                             read_chat_template(config.resolved_model_dir())))
     exit_code = 0

@@ -8,6 +8,7 @@ from typing import Any, Protocol
 from deepinfer.engine.protocol import GenerateRequest, SchedulerStats
 from deepinfer.frontend.server.errors import APIError, server_error
 from deepinfer.frontend.server.metrics import Metrics
+from deepinfer.frontend.server.responses_store import ResponseStore
 from deepinfer.frontend.server.tool_formats import TOOL_CALL_PARSERS
 
 
@@ -33,7 +34,7 @@ class ServerState:
     def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
                  max_buffered_outputs: int = 4096, reasoning_parser: str | None = None,
-                 tool_call_parser: str = "hermes") -> None:
+                 tool_call_parser: str = "hermes", responses_store_size: int = 1000) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.draining = False  # shutting down: requests in flight finish, new ones get 503
@@ -47,6 +48,8 @@ class ServerState:
         self.max_buffered_outputs = max_buffered_outputs
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
         self.tool_call_format = TOOL_CALL_PARSERS[tool_call_parser]  # (server/tool_formats.py)
+        # Finished /v1/responses kept for GET and previous_response_id (responses_store.py).
+        self.responses = ResponseStore(responses_store_size)
         self.created = int(time.time())
         self.failure: str | None = None
 
