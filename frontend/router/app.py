@@ -1,11 +1,14 @@
 """The data-parallel router: one OpenAI-compatible endpoint in front of N `deepinfer serve`
 replicas.
 
-Each completion or chat request goes to the replica the policy picks (frontend/router/policy.py)
-and its response passes through unchanged, streamed or not. A replica that cannot be reached, or
-that answers 5xx before the client has received a byte, is skipped and the request retried on
-another one; a stream that breaks after its first bytes ends with an error event. A background
-task polls every replica's /health; failing ones leave the rotation until they answer again.
+Each completion, chat, messages or responses request goes to the replica the policy picks
+(frontend/router/policy.py) and its response passes through unchanged, streamed or not. A stored
+response lives on the replica that made it: its GET / DELETE, and a request continuing it
+(`previous_response_id`), go to the replica that has it (each is asked in turn). A replica that
+cannot be reached, or that answers 5xx before the client has received a byte, is skipped and the
+request retried on another one; a stream that breaks after its first bytes ends with an error
+event. A background task polls every replica's /health; failing ones leave the rotation until
+they answer again.
 A client that goes away, streaming or not, drops the request's connection to its replica, which
 then aborts the request (the server's own behaviour when its client leaves).
 /metrics shows placement and load per replica. The prefill/decode router (pd.py) is this one with
@@ -37,13 +40,26 @@ log = logging.getLogger("deepinfer.router")
 _DROP = {"content-length", "transfer-encoding", "connection", "keep-alive", "content-encoding"}
 
 
+def _growing(value: object) -> str:
+    """A conversation as text that a longer one extends (the list's closing bracket cut)."""
+    if isinstance(value, str) or value is None:
+        return value or ""
+    return json.dumps(value, sort_keys=True, ensure_ascii=False)[:-1]
+
+
 def routing_text(path: str, payload: object) -> str:
-    """What a request's cached prefix is judged on: the prompt, or the chat messages."""
+    """What a request's cached prefix is judged on: the prompt, or the conversation (after the
+    system prompt or instructions that come before it)."""
     if not isinstance(payload, dict):
         return ""
     if path.endswith("chat/completions"):
-        messages = payload.get("messages")
-        return json.dumps(messages, sort_keys=True, ensure_ascii=False)[:-1] if messages else ""
+        return _growing(payload.get("messages"))
+    if path.startswith("/v1/messages"):
+        return json.dumps(payload.get("system"), ensure_ascii=False) + \
+            _growing(payload.get("messages"))
+    if path == "/v1/responses":
+        return json.dumps(payload.get("instructions"), ensure_ascii=False) + \
+            _growing(payload.get("input"))
     prompt = payload.get("prompt")
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
@@ -60,7 +76,13 @@ def json_or_none(body: bytes) -> object:
 def forward_headers(request: Request) -> dict[str, str]:
     """The client's headers a replica gets: the body's type, the API key, what it accepts."""
     return {k: v for k, v in request.headers.items()
-            if k.lower() in ("content-type", "authorization", "accept")}
+            if k.lower() in ("content-type", "authorization", "accept", "x-api-key",
+                             "anthropic-version", "anthropic-beta")}
+
+
+def _authorized(api_key: str | None, request: Request) -> bool:
+    return authorized(api_key, request.url.path, request.headers.get("authorization"),
+                      request.headers.get("x-api-key"))
 
 
 class Relay(StreamingResponse):
@@ -136,7 +158,7 @@ class Router:
         """The completion and chat routes: `proxy`, dropped as soon as the client goes away.
         The connection to the replica closes with it, so the replica aborts the request, as it
         does when its own client leaves (a stream ends the same way: see Relay)."""
-        if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
+        if not _authorized(self.api_key, request):
             return JSONResponse(UNAUTHORIZED, status_code=401)  # before reading any body
         await request.body()  # read first: from then on, receive() only reports a disconnect
         response = await run_until_disconnect(request, self.proxy(request))
@@ -148,9 +170,37 @@ class Router:
         payload = json_or_none(body)
         path = request.url.path
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
-        response = await self.place(self.replicas, self.policy, routing_text(path, payload),
-                                    path, body, forward_headers(request), stream)
-        return self.unavailable(self.replicas) if response is None else response
+        headers = forward_headers(request)
+        pool = self.replicas
+        previous = payload.get("previous_response_id") if isinstance(payload, dict) else None
+        if path == "/v1/responses" and isinstance(previous, str):
+            owner = await self.owner(previous, headers)
+            pool = [owner] if owner is not None else pool  # none: a replica answers the 404
+        response = await self.place(pool, self.policy, routing_text(path, payload), path, body,
+                                    headers, stream)
+        return self.unavailable(pool) if response is None else response
+
+    async def owner(self, response_id: str, headers: dict) -> Replica | None:
+        """The healthy replica that stores response `response_id`, if any."""
+        for r in [r for r in self.replicas if r.healthy]:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self.session.get(f"{r.url}/v1/responses/{response_id}",
+                                            headers=headers) as resp:
+                    if resp.status == 200:
+                        return r
+        return None
+
+    async def stored_response(self, request: Request) -> Response:
+        """GET or DELETE /v1/responses/{id}: the answer of the replica that has it."""
+        if not _authorized(self.api_key, request):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
+        headers = forward_headers(request)
+        owner = await self.owner(request.path_params["response_id"], headers)
+        if owner is None:
+            return error(404, "no response with this id")
+        async with self.session.request(request.method, f"{owner.url}{request.url.path}",
+                                        headers=headers) as resp:
+            return Response(await resp.read(), resp.status, media_type="application/json")
 
     async def place(self, pool: list[Replica], policy: Policy, text: str, path: str,
                     body: bytes, headers: dict, stream: bool) -> Response | None:
@@ -239,7 +289,7 @@ class Router:
     # ------------------------------------------------------------------ other routes
 
     async def models(self, request: Request) -> Response:
-        if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
+        if not _authorized(self.api_key, request):
             return JSONResponse(UNAUTHORIZED, status_code=401)
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         for r in [r for r in self.replicas if r.healthy]:
@@ -277,6 +327,11 @@ def build_router_app(router: Router) -> Starlette:
     routes = [
         Route("/v1/completions", router.endpoint, methods=["POST"]),
         Route("/v1/chat/completions", router.endpoint, methods=["POST"]),
+        Route("/v1/messages", router.endpoint, methods=["POST"]),
+        Route("/v1/messages/count_tokens", router.endpoint, methods=["POST"]),
+        Route("/v1/responses", router.endpoint, methods=["POST"]),
+        Route("/v1/responses/{response_id}", router.stored_response,
+              methods=["GET", "DELETE"]),
         Route("/v1/models", router.models, methods=["GET"]),
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics, methods=["GET"]),

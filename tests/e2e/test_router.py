@@ -58,6 +58,41 @@ def test_streams_pass_through(router):
     assert r.status_code == 200 and lines[-1] == "data: [DONE]" and len(lines) >= 3
 
 
+def test_anthropic_messages_pass_through(router):
+    import anthropic
+
+    client = anthropic.Anthropic(base_url=router.base_url, api_key="none", max_retries=0)
+    message = client.messages.create(model="tiny", max_tokens=4,
+                                     messages=[{"role": "user", "content": "Hello"}])
+    assert message.type == "message" and message.usage.output_tokens == 4
+    count = client.messages.count_tokens(model="tiny",
+                                         messages=[{"role": "user", "content": "Hello"}])
+    assert count.input_tokens == message.usage.input_tokens + \
+        (message.usage.cache_read_input_tokens or 0)
+
+
+def test_stored_responses_are_found_on_the_replica_that_made_them(router):
+    """Responses spread over both replicas; each is read, continued and deleted through the
+    router, which finds the replica that stores it."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{router.base_url}/v1", api_key="none", max_retries=0)
+    before = placements(router.base_url)
+    made = [client.responses.create(model="tiny", max_output_tokens=3, temperature=0,
+                                    input=f"{i} distinct words on topic {i}, " * 4)
+            for i in range(6)]
+    after = placements(router.base_url)
+    assert all(after[r] > before.get(r, 0) for r in after) and len(after) == 2  # both made some
+    for first in made:
+        assert client.responses.retrieve(first.id).id == first.id
+        follow = client.responses.create(model="tiny", max_output_tokens=3, input="And then?",
+                                         previous_response_id=first.id)
+        assert follow.usage.input_tokens > first.usage.input_tokens
+        assert client.responses.delete(first.id) is None
+        with pytest.raises(openai.NotFoundError):
+            client.responses.retrieve(first.id)
+
+
 def test_a_dead_replica_loses_no_request_that_had_not_started(router):
     replicas = {}
     for pid in descendants(router.proc.pid):
