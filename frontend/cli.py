@@ -205,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="accepted for vLLM's scripts: tool_choice auto is always on")
     serve.add_argument("--access-log", action="store_true")
     serve.add_argument("--api-key", default=None,
-                       help="require `Authorization: Bearer KEY` on every /v1 route (default: "
-                            "$DEEPINFER_API_KEY; unset: open)")
+                       help="require `Authorization: Bearer KEY` on every /v1 route (or "
+                            "`x-api-key: KEY` on /v1/messages, as Anthropic's clients send it; "
+                            "default: $DEEPINFER_API_KEY; unset: open)")
     serve.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                        help=_SECRET_HELP)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
@@ -250,8 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="cache_aware: in-flight requests between the busiest and the "
                              "idlest replica past which the idlest gets the request (default 8)")
     router.add_argument("--api-key", default=None,
-                        help="require `Authorization: Bearer KEY` on every /v1 route and pass it "
-                             "to the replicas (default: $DEEPINFER_API_KEY)")
+                        help="require `Authorization: Bearer KEY` on every /v1 route (or "
+                             "`x-api-key: KEY` on /v1/messages) and pass it to the replicas "
+                             "(default: $DEEPINFER_API_KEY)")
     router.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                         help=_SECRET_HELP)
     router.add_argument("--health-interval", type=float, default=1.0,
