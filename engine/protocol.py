@@ -69,6 +69,34 @@ class SampledLogprobs(msgspec.Struct, **_STRUCT):
     top_logprobs: list[float] = []
 
 
+class PromptChunkLogprobs(msgspec.Struct, **_STRUCT):
+    """Prompt logprobs of the consecutive prompt positions [start, start + count), as a worker
+    computes them in one prefill chunk (position 0 has none: nothing precedes it). Per
+    position: the prompt token's logprob and its rank among all tokens (1: the most likely),
+    then the top-k ids and logprobs, [count, k] row-major. Raw little-endian arrays (float32
+    logprobs, int32 ranks and ids), as token ids travel."""
+
+    start: int
+    logprobs: bytes
+    ranks: bytes
+    top_ids: bytes = b""
+    top_logprobs: bytes = b""
+
+    @property
+    def count(self) -> int:
+        return len(self.logprobs) // 4
+
+    def since(self, position: int) -> PromptChunkLogprobs:
+        """Only its positions from `position` on (a recomputed chunk overlaps what came)."""
+        cut = min(max(position - self.start, 0), self.count)
+        if not cut:
+            return self
+        k = len(self.top_ids) // 4 // self.count if self.count else 0
+        return PromptChunkLogprobs(self.start + cut, self.logprobs[4 * cut:],
+                                   self.ranks[4 * cut:], self.top_ids[4 * k * cut:],
+                                   self.top_logprobs[4 * k * cut:])
+
+
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Prefill/decode disaggregation: where a prompt's KV waits on a prefill server, as the
     prefill server's response gives it (a JSON object) and a decode server takes it back."""
@@ -107,6 +135,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     ignore_eos: bool = False
     # None: no logprobs. k >= 0: the chosen token's logprob plus the top-k alternatives.
     logprobs: int | None = None
+    # The same for every prompt position (vLLM's prompt_logprobs): computed in the prefill,
+    # so such a request does not start from a cached prefix (engine/scheduler/prompt_logprobs.py).
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Per-request opt-out of speculative decoding (the engine decides when it is on).
     speculative: bool = True
@@ -174,6 +205,18 @@ class PositionLogprobs(msgspec.Struct, **_STRUCT):
     top: list[TokenLogprob] = []
 
 
+class PromptLogprob(msgspec.Struct, **_STRUCT):
+    """One prompt token of a request's prompt logprobs, with texts: its logprob, its rank among
+    all tokens (1: the most likely) and the top alternatives; None at position 0, which
+    nothing precedes."""
+
+    token_id: int
+    token: str
+    logprob: float | None = None
+    rank: int | None = None
+    top: list[TokenLogprob] = []
+
+
 class RequestOutput(msgspec.Struct, **_STRUCT):
     """An incremental result for one request: new text and tokens since the last output."""
 
@@ -191,6 +234,9 @@ class RequestOutput(msgspec.Struct, **_STRUCT):
     replayed_tokens: int = 0
     kv_transfer: KVTransferParams | None = None  # a prefill server's held KV (last output)
     stop_reason: str | None = None  # the stop string that finished it (vLLM's name)
+    # One per prompt token, when asked (SamplingParams.prompt_logprobs): only on the output
+    # with the first new token (the last output, when none is generated).
+    prompt_logprobs: list[PromptLogprob] = []
 
 
 # Bounds (seconds) of the KV-transfer latency histogram (SchedulerStats.kv_transfer_buckets).
@@ -314,6 +360,9 @@ class TokenDelta(msgspec.Struct, **_STRUCT):
     error: str | None = None
     replayed_tokens: int = 0  # recomputed to rebuild sliding windows after a prefix hit
     kv_transfer: KVTransferParams | None = None  # the KV held for a decode server (prefill)
+    # Prompt logprobs, in position order, when asked: every one on the request's first delta
+    # that has a token or a finish (the scheduler holds them until then).
+    prompt_logprobs: list[PromptChunkLogprobs] = []
 
 
 class TokenBatch(msgspec.Struct, tag=True, **_STRUCT):
@@ -377,6 +426,8 @@ class ScheduledSeq(msgspec.Struct, **_STRUCT):
     # Speculative decoding: KV slots reserved after the input token for up to this many draft
     # tokens, which the worker proposes and verifies in this step (0: a plain decode).
     draft_slots: int = 0
+    # Compute the prompt logprobs of the prompt positions this chunk's logits predict.
+    prompt_logprobs: bool = False
 
 
 class HostTierCopies(msgspec.Struct, tag="host_tier", **_STRUCT):
@@ -463,6 +514,8 @@ class StepResult(msgspec.Struct, tag=True, **_STRUCT):
     num_drafts: bytes = b""
     forward_ms: float = 0.0
     sample_ms: float = 0.0
+    # One per seq whose plan asked prompt_logprobs, in plan order.
+    prompt_logprobs: list[PromptChunkLogprobs] = []
 
 
 # ---------------------------------------------------------------- children -> launcher

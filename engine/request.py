@@ -6,7 +6,7 @@ import enum
 
 import numpy as np
 
-from deepinfer.engine.protocol import FinishReason, SamplingParams
+from deepinfer.engine.protocol import FinishReason, PromptChunkLogprobs, SamplingParams
 
 
 class Status(enum.Enum):
@@ -22,7 +22,7 @@ class Request:
         "status", "finish_reason", "arrival", "hit_tokens", "cached_tokens", "max_len",
         "sent_to_workers", "num_pending", "cache_node", "window_from", "full_kv_from",
         "replayed_tokens", "spec_in_flight", "spec_misses", "spec_backoff", "window_exact",
-        "snapshot_hit",
+        "snapshot_hit", "prompt_logprobs_held", "prompt_logprobs_next",
     )
 
     def __init__(
@@ -58,6 +58,10 @@ class Request:
         self.spec_in_flight = False  # a speculating step is in flight: its new tokens unknown
         self.spec_misses = 0  # consecutive verify steps whose proposer found no draft
         self.spec_backoff = 0  # plain decode steps left before speculating again
+        # Prompt logprobs received from the workers, held for the next delta, and the first
+        # prompt position still without them (position 0 never has any).
+        self.prompt_logprobs_held: list[PromptChunkLogprobs] = []
+        self.prompt_logprobs_next = 1
 
     @property
     def num_tokens(self) -> int:

@@ -23,6 +23,7 @@ from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
 from deepinfer.workers.loader import DTYPES, load_model
+from deepinfer.workers.sample.prompt_logprobs import prompt_logprobs
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
 from deepinfer.workers.sample.step import NewTokens, SeqToSample, rows_of, sample_step
 from deepinfer.workers.spec_decode.factory import build_proposer
@@ -32,6 +33,7 @@ from deepinfer.workers.step_batch import (
     StepBatch,
     build_batch,
     logit_rows,
+    prompt_targets,
     resolve_inputs,
 )
 from deepinfer.workers.structured.compile_service import GrammarCompileService
@@ -166,10 +168,14 @@ class ModelRunner:
         drafts = self.spec.propose(plan.seqs, inputs, self.states)
         batch = build_batch(plan, inputs, self.states, self.groups, drafts)
         hidden = self._run(batch)
+        # Rank 0 answers; the other ranks take part in the LM head's collective.
+        prompt = prompt_logprobs(self.model.compute_logits, hidden, prompt_targets(batch.rows),
+                                 self.group.rank == 0)
         sampled = [r for r in batch.rows if r.seq.sample]
         if not sampled:
             self.spec.observe(batch.rows, inputs, hidden)
-            return StepResult(plan.step_id, b"", forward_ms=(time.perf_counter() - t0) * 1e3)
+            return StepResult(plan.step_id, b"", forward_ms=(time.perf_counter() - t0) * 1e3,
+                              prompt_logprobs=prompt)
         index = logit_rows(sampled)
         logits = self.model.compute_logits(rows_of(hidden, index)).cpu()  # host sampling
         t1 = time.perf_counter()
@@ -178,7 +184,9 @@ class ModelRunner:
         self._record(sampled, new)
         self.spec.record(sampled, new, hidden, index)
         self.spec.observe(batch.rows, inputs, hidden)
-        return self._result(plan, sampled, new, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        result = self._result(plan, sampled, new, (t1 - t0) * 1e3, (t2 - t1) * 1e3)
+        result.prompt_logprobs = prompt
+        return result
 
     def _sample(self, logits: torch.Tensor, sampled: list[SeqRows]) -> list[NewTokens]:
         """Rank 0 masks the constrained rows and draws; with tensor parallelism the other ranks

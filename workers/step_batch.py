@@ -3,7 +3,8 @@
 Each seq contributes its input tokens (an overlap placeholder resolved to the request's own last
 sample) followed, when it speculates, by the drafts its proposer made: those rows are verify
 rows (each attends causally up to itself, on the decode path). The rows to compute logits for
-are each sampled seq's last input row, or all of a verifying seq's rows.
+are each sampled seq's last input row, or all of a verifying seq's rows (and, for prompt
+logprobs, a prefill chunk's rows that predict prompt tokens).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 from deepinfer.engine.model_config import FULL, SLIDING
 from deepinfer.engine.protocol import ScheduledSeq, StepPlan, unpack_ids
 from deepinfer.workers.attention import SeqSlice
+from deepinfer.workers.sample.prompt_logprobs import PromptTargets, chunk_targets
 from deepinfer.workers.sample.sampler import SamplingState
 from deepinfer.workers.spec_decode.base import Draft, StepInput
 
@@ -99,3 +101,10 @@ def logit_rows(sampled: list[SeqRows]) -> list[int]:
         r.logit_row = len(index)
         index += range(r.verify_row, r.verify_row + 1 + (len(r.draft.tokens) if r.draft else 0))
     return index
+
+
+def prompt_targets(rows: list[SeqRows]) -> list[PromptTargets]:
+    """What each seq whose plan asks for prompt logprobs predicts, in batch order."""
+    return [chunk_targets(r.state.prompt_ids, r.seq.start_pos, len(r.tokens), r.first_row,
+                          r.state.params.prompt_logprobs or 0)
+            for r in rows if r.seq.prompt_logprobs]

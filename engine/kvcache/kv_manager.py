@@ -172,10 +172,11 @@ class KVManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match_prefix(self, req: Request) -> None:
-        """On admission: reuse the longest cached prefix and set where computing starts."""
+    def match_prefix(self, req: Request, reuse: bool = True) -> None:
+        """On admission: reuse the longest cached prefix and set where computing starts.
+        `reuse` False: compute the whole prompt (it needs every position's logits)."""
         req.hit_tokens = req.full_kv_from = req.window_from = req.replayed_tokens = 0
-        if self.cache is None or req.num_computed:
+        if self.cache is None or req.num_computed or not reuse:
             return
         # At least one token is computed: its logits give the next token.
         tokens = req.tokens(0, req.num_tokens)

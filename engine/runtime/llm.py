@@ -17,6 +17,7 @@ from deepinfer.engine.protocol import (
     FinishReason,
     GenerateRequest,
     PositionLogprobs,
+    PromptLogprob,
     SamplingParams,
     pack_ids,
     unpack_ids,
@@ -31,6 +32,7 @@ class CompletionOutput(msgspec.Struct):
     logprobs: list[PositionLogprobs]
     prompt_tokens: int
     cached_tokens: int
+    prompt_logprobs: list[PromptLogprob] = []  # one per prompt token, when asked
 
 
 def check_params(params: SamplingParams) -> SamplingParams:
@@ -39,6 +41,11 @@ def check_params(params: SamplingParams) -> SamplingParams:
     if params.grammar is not None and params.ignore_eos:
         raise ValueError("ignore_eos cannot be combined with structured output: the grammar "
                          "decides where the output ends")
+    if params.prompt_logprobs is not None and params.prompt_logprobs < 0:
+        raise ValueError(f"prompt_logprobs must be >= 0, got {params.prompt_logprobs}")
+    if params.prompt_logprobs is not None and params.remote_prefill is not None:
+        raise ValueError("prompt_logprobs need the prompt computed here, not pulled from a "
+                         "prefill server")
     return params
 
 
@@ -101,7 +108,7 @@ class LLM:
         return list(await asyncio.gather(*(self._one(r) for r in reqs)))
 
     async def _one(self, req: GenerateRequest) -> CompletionOutput:
-        text, ids, logprobs = [], [], []
+        text, ids, logprobs, prompt_logprobs = [], [], [], []
         last = None
         async for out in self.client.generate(req):
             if out.error:
@@ -109,11 +116,12 @@ class LLM:
             text.append(out.text)
             ids.extend(unpack_ids(out.token_ids).tolist())
             logprobs.extend(out.logprobs)
+            prompt_logprobs = out.prompt_logprobs or prompt_logprobs
             last = out
         assert last is not None and last.finish_reason is not None
         reason = FinishReason(last.finish_reason).openai()
         return CompletionOutput("".join(text), ids, reason, logprobs,
-                                last.prompt_tokens, last.cached_tokens)
+                                last.prompt_tokens, last.cached_tokens, prompt_logprobs)
 
     def stats(self):
         return self.client.stats

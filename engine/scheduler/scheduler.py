@@ -28,6 +28,7 @@ from deepinfer.engine.protocol import (
     unpack_ids,
 )
 from deepinfer.engine.request import Request, Status
+from deepinfer.engine.scheduler import prompt_logprobs
 from deepinfer.engine.spec.policy import SpecPolicy
 
 
@@ -283,7 +284,8 @@ class Scheduler:
                 req.cached_tokens = min(req.hit_tokens, req.num_prompt)
                 req.status = Status.RECEIVING
                 continue
-            self.kv.match_prefix(req)
+            # Prompt logprobs need every prompt position's logits: no cached prefix.
+            self.kv.match_prefix(req, reuse=not prompt_logprobs.wants(req))
             n = self._chunk(req, budget)
             need = self.kv.needs(req, req.num_computed + n)
             if not self.kv.can_allocate(need):
@@ -331,7 +333,8 @@ class Scheduler:
             sample = start + n == req.total_tokens
             seq = ScheduledSeq(req.request_id, token_ids, start,
                                [pack_ids(t) for t in req.tables], sample,
-                               req.full_kv_from, req.window_from, draft_slots)
+                               req.full_kv_from, req.window_from, draft_slots,
+                               prompt_logprobs.chunk_asks(req, start, n))
             if start < req.num_prompt:
                 self.kv.cache_prefill(req, start, start + n)  # snapshots it passes
             req.num_computed += n
@@ -356,7 +359,12 @@ class Scheduler:
         drafts = unpack_ids(result.num_drafts) if result.num_drafts else None
         deltas: list[TokenDelta] = []
         k = pos = 0
+        prompt_pieces = iter(result.prompt_logprobs)
         for req, seq in step.scheduled:
+            if seq.prompt_logprobs:
+                piece = next(prompt_pieces, None)
+                if piece is not None and req.status != Status.FINISHED:
+                    prompt_logprobs.receive(req, piece)
             if not seq.sample:
                 continue
             n = int(counts[k]) if counts is not None else 1
@@ -379,6 +387,7 @@ class Scheduler:
                 req.request_id, pack_ids(new[:kept]), [lp for lp in logprobs[:kept] if lp],
                 reason, prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0,
                 replayed_tokens=req.replayed_tokens,
+                prompt_logprobs=prompt_logprobs.take(req),
             )
             deltas.append(delta)
             if reason is not None:
@@ -388,6 +397,8 @@ class Scheduler:
     def _append(self, req: Request, new) -> tuple[int, FinishReason | None]:
         """Append new tokens until one finishes the request (stop id, EOS, max_tokens):
         returns how many were kept and the finish reason. Later ones are dropped."""
+        if req.params.max_tokens == 0:  # prompt scoring (echo): the drawn token is no output
+            return 0, FinishReason.LENGTH
         for i, token in enumerate(new):
             req.output_ids.append(int(token))
             self.generation_tokens_total += 1

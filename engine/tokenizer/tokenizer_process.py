@@ -29,6 +29,7 @@ from deepinfer.engine.protocol import (
 from deepinfer.engine.runtime.ipc import pull, push
 from deepinfer.engine.runtime.process_entry import ChildContext
 from deepinfer.engine.tokenizer.detokenizer import IncrementalDetokenizer
+from deepinfer.engine.tokenizer.prompt_logprobs import prompt_logprob_list
 from deepinfer.engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer, chat_dict
 
 log = logging.getLogger("deepinfer.tokenizer")
@@ -40,6 +41,8 @@ class _Live(msgspec.Struct):
     logprobs: bool
     prompt_tokens: int
     completion_tokens: int = 0
+    # The prompt, while its prompt logprobs (when asked) are still to go out.
+    prompt_ids: list[int] | None = None
 
 
 class TokenizerService:
@@ -101,6 +104,7 @@ class TokenizerService:
             IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, ids),
             logprobs=p.logprobs is not None,
             prompt_tokens=len(ids),
+            prompt_ids=list(ids) if p.prompt_logprobs is not None else None,
         )
         first = RequestOutput(req.request_id, prompt_tokens=len(ids), prompt_text=prompt_text)
         tokenized = TokenizedRequest(req.request_id, pack_ids(ids), p)
@@ -169,6 +173,11 @@ class TokenizerService:
             kv_transfer=kv_transfer,
             stop_reason=live.detok.stop_string,
         )
+        if live.prompt_ids is not None and (len(ids) or finish is not None):
+            # The scheduler sends them all on the first delta with a token or a finish.
+            out.prompt_logprobs = prompt_logprob_list(live.prompt_ids, delta.prompt_logprobs,
+                                                      self.tokenizer.token_text)
+            live.prompt_ids = None
         if finish is not None:
             del self.live[delta.request_id]
         return out, stop_hit

@@ -20,9 +20,10 @@ decode server pulls only from the prefill server the router chose, for this requ
 
 Fallbacks, sent unchanged to a decode server, which then computes the prompt itself (right, just
 not disaggregated): a body that is no JSON object; n > 1 or a batch of prompts (one KV handle
-serves one sequence); at most one token to generate (nothing left to decode); a prefill answer
-without kv_transfer_params (the request ended on its first token, at EOS say); no prefill server
-able to take the request. A prefill server's 4xx (a bad request) goes to the client as it is.
+serves one sequence); prompt logprobs (only the server computing the prompt has its logits); at
+most one token to generate (nothing left to decode); a prefill answer without kv_transfer_params
+(the request ended on its first token, at EOS say); no prefill server able to take the request.
+A prefill server's 4xx (a bad request) goes to the client as it is.
 """
 
 from __future__ import annotations
@@ -54,6 +55,9 @@ def decode_only(path: str, payload: object) -> bool:
     prompt = payload.get("prompt")
     if isinstance(prompt, list) and not all(isinstance(t, int) for t in prompt):
         return True  # a batch of prompts (a list of token ids is one prompt)
+    if payload.get("prompt_logprobs") is not None or (
+            payload.get("echo") and payload.get("logprobs") is not None):
+        return True  # prompt logprobs: the server computing the prompt must answer them
     limit = payload.get("max_tokens")
     if path.endswith("chat/completions") and payload.get("max_completion_tokens") is not None:
         limit = payload["max_completion_tokens"]  # the server reads it before max_tokens

@@ -24,6 +24,7 @@ from deepinfer.engine.protocol import (
     GrammarSpec,
     KVTransferParams,
     PositionLogprobs,
+    PromptLogprob,
 )
 from deepinfer.frontend.server.generation import Generation, engine_error, seeded
 from deepinfer.frontend.server.http_io import run_until_disconnect
@@ -57,6 +58,7 @@ class Turn:
     finish_reason: str | None  # OpenAI's: "stop", "length", "tool_calls", "abort"
     stop_reason: str | None  # the stop string that ended it
     kv_transfer: KVTransferParams | None = None
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # when asked
 
 
 @dataclass
@@ -71,6 +73,7 @@ class TurnDelta:
     finish_reason: str | None = None
     stop_reason: str | None = None
     kv_transfer: KVTransferParams | None = None
+    prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # with the first token
 
 
 class _Reasoning:
@@ -123,7 +126,7 @@ class ChatRun:
                 if out.finish_reason == FinishReason.ERROR:
                     raise engine_error(self.state, out.error or "request failed", self.gen.param)
                 final = out.finish_reason is not None
-                if not (out.text or out.logprobs or final):
+                if not (out.text or out.logprobs or out.prompt_logprobs or final):
                     continue
                 split = self._reasoning.split(i, out.text, final)
                 parser = self._tools[i]
@@ -133,7 +136,7 @@ class ChatRun:
                 yield TurnDelta(
                     i, split.reasoning, parsed.content, parsed.calls, list(out.logprobs),
                     _finish_reason(out.finish_reason, bool(parser.calls)), out.stop_reason,
-                    out.kv_transfer)
+                    out.kv_transfer, out.prompt_logprobs)
         finally:
             await self.gen.close()
 
@@ -144,6 +147,7 @@ class ChatRun:
             t = turns[d.index]
             reasoning[d.index].append(d.reasoning)
             t.logprobs.extend(d.logprobs)
+            t.prompt_logprobs = d.prompt_logprobs or t.prompt_logprobs
             if d.finish_reason is not None:
                 t.finish_reason, t.stop_reason = d.finish_reason, d.stop_reason
                 t.kv_transfer = d.kv_transfer

@@ -19,6 +19,7 @@ from deepinfer.engine.protocol import (
     GenerateRequest,
     KVTransferParams,
     PositionLogprobs,
+    PromptLogprob,
     RequestOutput,
     SamplingParams,
 )
@@ -166,6 +167,7 @@ class ChoiceResult:
     def __init__(self) -> None:
         self.text: list[str] = []
         self.logprobs: list[PositionLogprobs] = []
+        self.prompt_logprobs: list[PromptLogprob] = []  # when asked: one per prompt token
         self.finish_reason: str | None = None
         self.kv_transfer: KVTransferParams | None = None  # held for a decode server
 
@@ -180,6 +182,7 @@ async def collect(gen: Generation) -> list[ChoiceResult]:
             r = results[i]
             r.text.append(out.text)
             r.logprobs.extend(out.logprobs)
+            r.prompt_logprobs = out.prompt_logprobs or r.prompt_logprobs
             if out.finish_reason is not None:
                 r.finish_reason = FinishReason(out.finish_reason).openai()
                 r.kv_transfer = out.kv_transfer

@@ -63,6 +63,10 @@ def apply_kv_transfer(request: Request, raw: dict[str, Any] | None, params: Samp
         _check(mode == "decode", "do_remote_prefill needs a server started with "
                                  "--disaggregation-mode decode")
         _check(n == 1, "do_remote_prefill takes one choice (n = 1)")
+        if params.prompt_logprobs is not None:  # (the PD router never sends such a request)
+            raise APIError("prompt logprobs (prompt_logprobs, or echo with logprobs) need the "
+                           "prompt computed here, not pulled from a prefill server",
+                           param="prompt_logprobs")
         try:
             remote = msgspec.convert(raw, KVTransferParams)
             check_params(secret, remote)

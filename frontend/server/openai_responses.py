@@ -19,6 +19,20 @@ class Usage(msgspec.Struct):
     prompt_cache_miss_tokens: int = 0
 
 
+class PromptLogprobOut(msgspec.Struct):
+    """One token of a prompt position in vLLM's prompt_logprobs: a list with one object per
+    prompt token (null for the first), keyed by token id, holding the prompt's token and the
+    top alternatives."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# Per prompt position: token id (as a JSON key) -> its entry; None at the first position.
+PromptLogprobsOut = list[dict[str, PromptLogprobOut] | None]
+
+
 # ---------------------------------------------------------------- chat
 
 
@@ -79,6 +93,7 @@ class ChatCompletion(msgspec.Struct):
     system_fingerprint: str | None = None
     # A prefill server's answer: where the prompt's KV waits (frontend/server/kv_transfer.py).
     kv_transfer_params: dict | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # (vLLM's place)
 
 
 class FunctionCallDelta(msgspec.Struct, omit_defaults=True):
@@ -136,6 +151,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobsOut | msgspec.UnsetType = msgspec.UNSET  # when asked
 
 
 class Completion(msgspec.Struct):

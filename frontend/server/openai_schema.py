@@ -65,6 +65,8 @@ class _SamplingFields(msgspec.Struct, **_REQ):
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
+    # Top-k logprobs of every prompt token (vLLM's field; not with stream).
+    prompt_logprobs: int | None = None
     # DeepInfer extension: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = None
     # Structured output: OpenAI's response_format, then vLLM's guided decoding extensions.

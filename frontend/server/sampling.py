@@ -28,10 +28,15 @@ def _check(ok: bool, param: str, message: str) -> None:
         raise APIError(message, param=param)
 
 
-def _max_tokens(value: int | None, param: str, default: int, context_len: int) -> int:
+def _max_tokens(value: int | None, param: str, default: int, context_len: int,
+                scoring: bool = False) -> int:
+    """`scoring`: the request reads the prompt's logprobs, so 0 (generate nothing) is fine."""
     if value is None:
         return default
-    _check(value >= 1, param, f"{param} must be at least 1, got {value}")
+    if scoring:
+        _check(value >= 0, param, f"{param} must be at least 0, got {value}")
+    else:
+        _check(value >= 1, param, f"{param} must be at least 1, got {value}")
     _check(
         value <= context_len,
         param,
@@ -104,8 +109,20 @@ def _stop_token_ids(ids: list[int] | None) -> list[int]:
     return stop_ids
 
 
+def _prompt_logprobs(req: _SamplingFields) -> int | None:
+    """vLLM's prompt_logprobs: top-k per prompt position, for whole (non-streamed) answers."""
+    value = req.prompt_logprobs
+    if value is None:
+        return None
+    _check(0 <= value <= MAX_LOGPROBS, "prompt_logprobs",
+           f"prompt_logprobs must be between 0 and {MAX_LOGPROBS}, got {value}")
+    _check(not req.stream, "prompt_logprobs",
+           "prompt_logprobs is not available when stream is true (as in vLLM)")
+    return value
+
+
 def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None,
-            grammar: GrammarSpec | None) -> SamplingParams:
+            grammar: GrammarSpec | None, prompt_logprobs: int | None = None) -> SamplingParams:
     temperature, top_p, min_p, rep = _floats(req)
     _check(not req.logit_bias, "logit_bias", "logit_bias is not supported")
     n = 1 if req.n is None else req.n
@@ -127,6 +144,7 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         stop_token_ids=_stop_token_ids(req.stop_token_ids),
         ignore_eos=bool(req.ignore_eos),
         logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
         skip_special_tokens=req.skip_special_tokens is not False,
         speculative=req.speculative_decoding is not False,
         grammar=grammar,
@@ -159,7 +177,7 @@ def chat_params(req: ChatCompletionRequest, context_len: int,
         )
     if req.logprobs:
         logprobs = req.top_logprobs or 0
-    return _common(req, max_tokens, logprobs, grammar)
+    return _common(req, max_tokens, logprobs, grammar, _prompt_logprobs(req))
 
 
 def completion_params(req: CompletionRequest, context_len: int,
@@ -167,8 +185,10 @@ def completion_params(req: CompletionRequest, context_len: int,
     n = 1 if req.n is None else req.n
     _check(req.best_of in (None, n), "best_of", "best_of other than n is not supported")
     _check(req.suffix is None, "suffix", "suffix is not supported")
+    prompt_logprobs = _prompt_logprobs(req)
     max_tokens = _max_tokens(
-        req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, context_len
+        req.max_tokens, "max_tokens", DEFAULT_COMPLETION_MAX_TOKENS, context_len,
+        scoring=bool(req.echo) or prompt_logprobs is not None,
     )
     if req.logprobs is not None:
         _check(
@@ -176,4 +196,6 @@ def completion_params(req: CompletionRequest, context_len: int,
             "logprobs",
             f"logprobs must be between 0 and {MAX_LOGPROBS}",
         )
-    return _common(req, max_tokens, req.logprobs, grammar)
+        if req.echo:  # the echoed prompt shows its logprobs too (as OpenAI and vLLM)
+            prompt_logprobs = max(prompt_logprobs or 0, req.logprobs)
+    return _common(req, max_tokens, req.logprobs, grammar, prompt_logprobs)

@@ -13,7 +13,7 @@ from deepinfer.frontend.server.chat_turns import ChatRun, TurnDelta, start_chat
 from deepinfer.frontend.server.errors import APIError
 from deepinfer.frontend.server.http_io import SSE_DONE, SSEResponse, read_json, sse_event
 from deepinfer.frontend.server.kv_transfer import response_params
-from deepinfer.frontend.server.logprobs import chat_logprobs
+from deepinfer.frontend.server.logprobs import chat_logprobs, prompt_logprobs_out
 from deepinfer.frontend.server.openai_responses import (
     ChatChoice,
     ChatChunkChoice,
@@ -55,6 +55,8 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
         ))
     body = ChatCompletion(rid, run.created, state.model_name, choices, run.usage(),
                           kv_transfer_params=response_params(turns[0].kv_transfer, state))
+    if req.prompt_logprobs is not None:  # top level, as vLLM: the choices share the prompt
+        body.prompt_logprobs = prompt_logprobs_out(turns[0].prompt_logprobs, req.prompt_logprobs)
     return Response(_encode(body), media_type="application/json")
 
 

@@ -21,7 +21,12 @@ from deepinfer.frontend.server.http_io import (
     sse_event,
 )
 from deepinfer.frontend.server.kv_transfer import apply_kv_transfer, response_params
-from deepinfer.frontend.server.logprobs import completion_logprobs
+from deepinfer.frontend.server.logprobs import (
+    completion_logprobs,
+    echo_logprobs,
+    joined,
+    prompt_logprobs_out,
+)
 from deepinfer.frontend.server.openai_responses import Completion, CompletionChoice
 from deepinfer.frontend.server.openai_schema import CompletionRequest, decode_completion
 from deepinfer.frontend.server.prompts import completion_prompts
@@ -75,7 +80,12 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         logprobs = None
         if req.logprobs is not None:
             logprobs = completion_logprobs(r.logprobs, offset=len(echoes[i]))
-        choices.append(CompletionChoice(i, echoes[i] + "".join(r.text), logprobs, r.finish_reason))
+            if req.echo:
+                logprobs = joined(echo_logprobs(r.prompt_logprobs, req.logprobs), logprobs)
+        choice = CompletionChoice(i, echoes[i] + "".join(r.text), logprobs, r.finish_reason)
+        if req.prompt_logprobs is not None:
+            choice.prompt_logprobs = prompt_logprobs_out(r.prompt_logprobs, req.prompt_logprobs)
+        choices.append(choice)
     out = Completion(rid, created, state.model_name, choices, usage=gen.usage(n),
                      kv_transfer_params=response_params(results[0].kv_transfer, state))
     return Response(_encode(out), media_type="application/json")
@@ -89,13 +99,18 @@ async def _events(
         return sse_event(_encode(Completion(rid, created, model, choices, **kw)))
 
     offsets = [len(e) for e in echoes]
+    # An echo with logprobs waits for the prompt's logprobs (they come with the first token).
+    echo_later = req.echo and req.logprobs is not None
     try:
         for i, echo in enumerate(echoes):
-            if echo:
+            if echo and not echo_later:
                 yield chunk([CompletionChoice(i, echo, None, None)])
         async for i, out in gen:
             if out.finish_reason == FinishReason.ERROR:
                 raise engine_error(gen.state, out.error or "request failed", gen.param)
+            if echo_later and out.prompt_logprobs:
+                yield chunk([CompletionChoice(i, echoes[i], echo_logprobs(
+                    out.prompt_logprobs, req.logprobs or 0), None)])
             if not (out.text or out.logprobs or out.finish_reason is not None):
                 continue
             logprobs = None

@@ -242,6 +242,10 @@ def test_a_prefill_answer_without_kv_params_falls_back_to_the_original_request(s
     ("/v1/completions", {"model": "m", "prompt": "p", "n": 2, "max_tokens": 8}),
     ("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 1}),
     ("/v1/completions", {"model": "m", "prompt": ["one", "two"], "max_tokens": 8}),
+    # Prompt logprobs: only the server that computes the prompt has its logits.
+    ("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 8, "prompt_logprobs": 1}),
+    ("/v1/completions", {"model": "m", "prompt": "p", "max_tokens": 8, "echo": True,
+                         "logprobs": 0}),
     ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "p"}],
                               "max_tokens": 9, "max_completion_tokens": 1}),
     ("/v1/completions", b"{not json"),
