@@ -108,8 +108,11 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
-    return APIError(str(exc.detail), exc.status_code, type=kind,
-                    headers=dict(exc.headers or {})).response()
+    error = APIError(str(exc.detail), exc.status_code, type=kind,
+                     headers=dict(exc.headers or {}))
+    if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read its shape
+        return error_response(error)
+    return error.response()
 
 
 def build_app(

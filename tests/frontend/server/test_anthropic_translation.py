@@ -345,6 +345,10 @@ def test_the_app_answers_in_anthropics_shape():
     assert denied.json()["error"]["type"] == "authentication_error"
     assert client.post("/v1/chat/completions", headers={"x-api-key": "k"},
                        json={}).json()["error"]["code"] == "invalid_api_key"
+    wrong_method = client.get("/v1/messages", headers={"x-api-key": "k"})
+    assert wrong_method.status_code == 405 and wrong_method.headers["allow"] == "POST"
+    assert wrong_method.json()["type"] == "error" and \
+        wrong_method.json()["error"]["type"] == "invalid_request_error"
 
 
 def test_openapi_describes_the_messages_routes():
