@@ -22,7 +22,8 @@ from deepinfer.engine.settings import Annotated, check_settings, setting
 __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "DEFAULT_MODEL_NAME", "SPECULATIVE_METHODS", "MAX_SPECULATIVE_TOKENS",
            "DISAGGREGATION_MODES", "KV_TRANSFER_BACKENDS", "QUANTIZATIONS", "DEVICES",
-           "KV_CACHE_DTYPES", "MODEL_DTYPES", "SWA_REPLAYS", "CPU_LINEAR_WEIGHTS"]
+           "KV_CACHE_DTYPES", "MODEL_DTYPES", "SWA_REPLAYS", "CPU_LINEAR_WEIGHTS",
+           "KVEventsConfig", "offset_endpoint"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
@@ -56,6 +57,29 @@ _NIXL_MODULES = ("nixl_cu12", "nixl_cu13")
 # More drafts than this are almost never accepted and make every verify step wider.
 MAX_SPECULATIVE_TOKENS = 16
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
+    """--kv-events-config: vLLM's KVEventsConfig fields, same names and meaning."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" (the default once enabled) or "null"
+    endpoint: str = "tcp://*:5557"  # PUB: [topic, seq, payload] per batch
+    replay_endpoint: str | None = None  # ROUTER: batches from a sequence number on
+    buffer_steps: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # batches kept for replay
+    hwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000  # the PUB socket's send high-water mark
+    max_queue_size: Annotated[int, msgspec.Meta(ge=1)] = 100_000  # batches waiting to be sent
+    topic: str = ""
+
+
+def offset_endpoint(endpoint: str | None, rank: int) -> str | None:
+    """A data-parallel replica's own endpoint: tcp ports plus `rank`, ipc paths suffixed."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
 
 
 class EngineConfig(msgspec.Struct, kw_only=True):
@@ -180,12 +204,50 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_hold_timeout: Annotated[float, setting(
         "prefill: seconds a finished prompt's KV waits for a decode server to pull it before it "
         "is freed (default 120)", positive=True)] = 120.0
+    # JSON, as vLLM's flag of the same name takes it (KVEventsConfig below).
+    kv_events_config: Annotated[str | None, setting(
+        "publish KV cache events for routers, in vLLM's format: JSON such as "
+        "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
+        "\"kv-events\"}' (default off)")] = None
+    # Set per replica by `serve --data-parallel-size N` (vLLM's rule): a replica's KV events
+    # carry it, and its event ports are the configured ones plus it.
+    data_parallel_rank: Annotated[int, setting(
+        "this server's index among data-parallel replicas: its KV events carry it and bind "
+        "the --kv-events-config ports plus it (default 0)", at_least=0)] = 0
     kv_transfer_backend: Annotated[str, setting(
         "how KV blocks move between servers: zmq (over the transfer sockets, default) or nixl "
         "(NIXL READs; pip install 'deepinfer[nixl]')", KV_TRANSFER_BACKENDS)] = "zmq"
 
     def __post_init__(self) -> None:
         check_settings(self, ModelConfigError)
+        self.kv_events()  # a bad --kv-events-config is refused up front
+
+    def kv_events(self) -> KVEventsConfig | None:
+        """--kv-events-config parsed, its ports offset by --data-parallel-rank; None: off."""
+        if self.kv_events_config is None:
+            return None
+        try:
+            events = msgspec.json.decode(self.kv_events_config, type=KVEventsConfig)
+        except msgspec.DecodeError as e:
+            raise ModelConfigError(f"--kv-events-config must be a JSON object of "
+                                   f"{', '.join(KVEventsConfig.__struct_fields__)}: {e}") from None
+        if not events.enable_kv_cache_events or events.publisher == "null":
+            return None
+        _require(events.publisher in (None, "zmq"), "--kv-events-config: publisher must be "
+                                                    f"zmq or null, not {events.publisher!r}")
+        for name in ("endpoint", "replay_endpoint"):
+            value = getattr(events, name)
+            _require(value is None or value.startswith(("tcp://", "ipc://")),
+                     f"--kv-events-config: {name} must be tcp://HOST:PORT or ipc://PATH, "
+                     f"got {value!r}")
+            if value is not None and value.startswith("tcp://"):
+                port = value.rpartition(":")[2]
+                _require(port.isdigit(), f"--kv-events-config: {name} needs a port, got "
+                                         f"{value!r}")
+        return msgspec.structs.replace(
+            events, endpoint=offset_endpoint(events.endpoint, self.data_parallel_rank),
+            replay_endpoint=offset_endpoint(events.replay_endpoint, self.data_parallel_rank))
 
     def resolved_model_dir(self) -> str:
         if self.model in ("default", DEFAULT_MODEL_NAME):

@@ -85,12 +85,19 @@ def _serve(args: argparse.Namespace) -> int:
 
         return run_worker_node(config)
     if args.data_parallel_size > 1:
+        from deepinfer.frontend.router.kv_events import port_clash
         from deepinfer.frontend.router.policy import Policy
         from deepinfer.frontend.router.server import serve_data_parallel
 
-        return serve_data_parallel(_replica_args(args, config.model), args.data_parallel_size,
-                                   args.host, args.port, Policy(args.policy),
-                                   config.worker_threads, resolve_api_key(args.api_key))
+        events = config.kv_events()  # rank 0's; replica i's ports are these plus i
+        clash = port_clash(events, args.data_parallel_size) if events is not None else None
+        if clash:
+            raise ModelConfigError(clash)
+        return serve_data_parallel(
+            _replica_args(args, config.model, ("worker_threads", "data_parallel_rank")),
+            args.data_parallel_size, args.host, args.port, Policy(args.policy),
+            config.worker_threads, resolve_api_key(args.api_key),
+            kv_events=(events, config.resolved_model_dir()) if events is not None else None)
     if disaggregated:
         from deepinfer.frontend.router.policy import Policy
         from deepinfer.frontend.router.server import serve_disaggregated
@@ -112,8 +119,16 @@ def _router(args: argparse.Namespace) -> int:
     if args.prefill:
         return run_pd_router(args.prefill, args.decode, args.host, args.port, policy,
                              args.health_interval, args.log_level, resolve_api_key(args.api_key))
+    kv_events = None
+    if args.kv_events:
+        events = EngineConfig(kv_events_config=args.kv_events).kv_events()  # checked alike
+        if events is None:
+            raise ModelConfigError("router: --kv-events must enable events "
+                                   '("enable_kv_cache_events": true)')
+        model = EngineConfig(model=model_store.ensure_model(args.tokenizer))
+        kv_events = (events, model.resolved_model_dir())
     return run_router(args.worker, args.host, args.port, policy, args.health_interval,
-                      args.log_level, resolve_api_key(args.api_key))
+                      args.log_level, resolve_api_key(args.api_key), kv_events)
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
@@ -131,6 +146,11 @@ def usage_problem(args: argparse.Namespace) -> str | None:
             return "router: --prefill and --decode go together: a request needs one of each"
         if {u.rstrip("/") for u in prefill} & {u.rstrip("/") for u in decode}:
             return "router: a server is either a --prefill or a --decode server, not both"
+        if args.kv_events and not args.tokenizer:
+            return ("router: --kv-events needs --tokenizer MODEL (requests are matched to "
+                    "cached blocks by their tokens)")
+        if args.kv_events and prefill:
+            return "router: --kv-events places data-parallel replicas (--worker), not --prefill"
         if prefill and envs.cluster_secret() is None:
             return ("router: --prefill/--decode need the cluster secret its servers have: set "
                     "DEEPINFER_CLUSTER_SECRET, or --cluster-secret-file FILE")
@@ -256,6 +276,15 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $DEEPINFER_API_KEY)")
     router.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                         help=_SECRET_HELP)
+    router.add_argument("--kv-events", default=None, metavar="CONFIG",
+                        help="place requests by the replicas' KV cache events: the JSON the "
+                             "replicas were given as --kv-events-config (the i-th --worker "
+                             "publishes on its ports plus i, at its URL's host); needs "
+                             "--tokenizer")
+    router.add_argument("--tokenizer", default=None, metavar="MODEL",
+                        help="with --kv-events: the replicas' model (a directory or a named "
+                             "model) whose tokenizer and chat template turn requests into "
+                             "tokens")
     router.add_argument("--health-interval", type=float, default=1.0,
                         help="seconds between health checks of each replica")
     router.add_argument("--log-level", default="info")

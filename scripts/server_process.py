@@ -23,6 +23,29 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_ports(n: int) -> int:
+    """A port p with p .. p + n - 1 all free now (a server whose ranks take port + i)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n > 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for p in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
 def wait_healthy(base_url: str, proc: subprocess.Popen, timeout: float) -> bool:
     """Poll /health until it answers 200 (True), `proc` exits or `timeout` passes (False)."""
     deadline = time.monotonic() + timeout

@@ -31,6 +31,7 @@ from deepinfer.engine.request import Request
 
 if TYPE_CHECKING:  # the connectors build on this module
     from deepinfer.engine.kvcache.connectors.base import KVConnector
+    from deepinfer.engine.kvcache.kv_events import KVEventLog
 
 
 class KVManager:
@@ -78,6 +79,14 @@ class KVManager:
         self.connectors = list(connectors)
         if self.cache is not None:
             self.cache.on_evict = self._on_evict
+
+    def report_events(self, log: KVEventLog) -> None:
+        """KV events (--kv-events-config): the prefix cache and every tier report the blocks
+        they store and drop to `log`."""
+        if self.cache is not None:
+            self.cache.events = log
+        for c in self.connectors:
+            c.report_events(log)
 
     def _on_evict(self, tokens, device_block: int) -> None:
         for c in self.connectors:

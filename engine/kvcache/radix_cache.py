@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepinfer.engine.kvcache.block_allocator import BlockAllocator
+from deepinfer.engine.kvcache.kv_events import KVEventLog
 
 BlockKey = tuple[int, ...]  # the token ids of one full block
 Tokens = np.ndarray | Sequence[int]
@@ -75,6 +76,7 @@ class RadixCache:
         self.snapshot_allocator = snapshot_allocator  # the sliding layers' blocks, if any
         self.block_size = block_size
         self.on_evict = on_evict  # hook for a host-memory tier
+        self.events: KVEventLog | None = None  # KV events (--kv-events-config): what enters/leaves
         self._root = RadixNode([], [], None, 0)
         self._clock = 0
         self.num_cached_blocks = 0
@@ -125,10 +127,13 @@ class RadixCache:
         """
         n = min(len(blocks), len(tokens) // self.block_size)
         keys = self._keys(tokens, n * self.block_size)
-        node, i, _ = self._walk(keys)
+        node, i, path = self._walk(keys)
         if i == n:
             return 0
         new = list(blocks[i:n])
+        if self.events is not None:
+            self.events.stored(path[i - 1] if i else None,
+                               [t for key in keys[i:] for t in key], new)
         for b in new:
             self.allocator.share(b)
         # Always a new child, never an extension of a leaf: a lock handle must keep covering
@@ -283,6 +288,8 @@ class RadixCache:
         self._drop_snapshot(node)  # its position is no longer cached
         if self.on_evict is not None:
             self.on_evict(self._prefix_tokens(node), node.blocks[-1])
+        if self.events is not None:
+            self.events.removed(node.blocks[-1])
         node.keys.pop()
         self.allocator.free([node.blocks.pop()])
         self.num_cached_blocks -= 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.engine.kv_layout import FULL, KVGroup
 from deepinfer.engine.kvcache.connectors import KVConnector, build_connectors
+from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.kvcache.kv_manager import KVManager
 from deepinfer.engine.protocol import (
     FinishReason,
@@ -52,6 +53,9 @@ class SchedulerConfig:
     kv_hold_timeout: float = 120.0  # prefill: a held prompt's KV is freed after this
     kv_dtype: str = "float32"  # what the KV cache stores: a transfer's two ends must agree
     vocab_size: int = 2**31 - 1  # token ids a peer may hand over (a remote first token)
+    # KV events (--kv-events-config): the block identity key (engine/kvcache/block_hash.py);
+    # None: no events.
+    kv_events_identity: bytes | None = None
 
 
 @dataclass
@@ -93,6 +97,10 @@ class Scheduler:
             self.kv, config.host_blocks, config.worker_ranks, config.kv_hold_timeout,
             config.kv_dtype, config.vocab_size)
         self.kv.attach(self.connectors)
+        self.kv_events: KVEventLog | None = None
+        if config.kv_events_identity is not None:
+            self.kv_events = KVEventLog(config.kv_events_identity, config.block_size)
+            self.kv.report_events(self.kv_events)
 
     # ------------------------------------------------------------------ requests in / out
 

@@ -12,11 +12,15 @@ from __future__ import annotations
 import logging
 import signal
 import time
+from pathlib import Path
 
 import msgspec
 import zmq
 
 from deepinfer.engine import envs
+from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.kvcache.block_hash import identity_key
+from deepinfer.engine.kvcache.event_publisher import ZmqEventPublisher
 from deepinfer.engine.protocol import (
     Abort,
     CompileGrammar,
@@ -35,6 +39,14 @@ from deepinfer.engine.statistics import progress_line
 
 log = logging.getLogger("deepinfer.scheduler")
 
+
+
+def kv_block_identity(cfg: EngineConfig) -> bytes:
+    """What besides the tokens decides a block's KV on this server (engine/kvcache/block_hash.py):
+    the model (its directory's name and architecture), dtypes, block size, rank layout."""
+    model = f"{Path(cfg.resolved_model_dir()).name}:{cfg.model_config().architecture}"
+    return identity_key(model, cfg.dtype, cfg.kv_dtype(), cfg.block_size,
+                        f"tp{cfg.tensor_parallel_size}")
 
 
 def build_scheduler(ctx: ChildContext) -> Scheduler:
@@ -59,6 +71,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         kv_hold_timeout=cfg.kv_hold_timeout,
         kv_dtype=cfg.kv_dtype(),
         vocab_size=model.vocab_size,
+        kv_events_identity=kv_block_identity(cfg) if cfg.kv_events() is not None else None,
     ))
 
 
@@ -76,6 +89,11 @@ class SchedulerLoop:
         self.results: dict[int, StepResult] = {}
         self.stats = self.scheduler.stats()
         self._logged = (time.monotonic(), self.stats)
+        # KV events (--kv-events-config): batches of what entered and left the caches.
+        events = ctx.config.kv_events()
+        self.dp_rank = ctx.config.data_parallel_rank
+        self.publisher = ZmqEventPublisher(events) if events is not None else None
+        self._publish_events()  # AllBlocksCleared: routers forget what a restart lost
 
     def run(self) -> None:
         in_flight: ScheduledStep | None = None
@@ -106,6 +124,14 @@ class SchedulerLoop:
                 self._finish_step(step)
                 step = None
             in_flight = step
+            self._publish_events()
+
+    def _publish_events(self) -> None:
+        """Hand this iteration's KV events to the publisher's thread (nothing to send: no-op)."""
+        if self.publisher is not None:
+            batch = self.scheduler.kv_events.batch(self.dp_rank)
+            if batch is not None:
+                self.publisher.publish(batch)
 
     def _drain(self, block: bool) -> list:
         msgs, self.pending = self.pending, []
@@ -117,6 +143,7 @@ class SchedulerLoop:
 
     def _wait_message(self) -> list:
         """The next message; none when a held prompt's KV times out first (prefill side)."""
+        self._publish_events()  # before sleeping: nothing waits behind an idle loop
         deadline = self.scheduler.connector_deadline()
         if deadline is not None:
             timeout_ms = max(0, int((deadline - time.monotonic()) * 1000)) + 1
@@ -206,6 +233,9 @@ def main(ctx: ChildContext) -> None:
         for sock in loop.to_workers:
             sock.setsockopt(zmq.LINGER, 1000)
         loop._send_workers(Shutdown())
+        if loop.publisher is not None:  # what the last steps changed still reaches routers
+            loop._publish_events()
+            loop.publisher.close(timeout=0.5)
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, stop)

@@ -32,6 +32,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from deepinfer.frontend.auth import UNAUTHORIZED, authorized
+from deepinfer.frontend.router.kv_events import KVEventRouting
 from deepinfer.frontend.router.policy import Policy, Replica
 from deepinfer.frontend.server.http_io import run_until_disconnect
 
@@ -109,10 +110,13 @@ def error(status: int, message: str) -> JSONResponse:
 
 class Router:
     def __init__(self, urls: list[str], policy: Policy, health_interval: float = 1.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, events: KVEventRouting | None = None) -> None:
         self.replicas = [Replica(u.rstrip("/")) for u in urls]
         self.api_key = api_key  # checked here and passed on to the replicas
         self.policy = policy
+        self.events = events  # KV events: exact placement (frontend/router/kv_events.py)
+        if events is not None:
+            policy.block_index = events.index
         self.health_interval = health_interval
         self.session: aiohttp.ClientSession | None = None
         self.registry = CollectorRegistry()
@@ -130,6 +134,9 @@ class Router:
                                ["replica"], registry=self.registry)
         self.healthy = Gauge("deepinfer_router_replica_healthy", "1 while a replica is in rotation",
                              ["replica"], registry=self.registry)
+        self.event_blocks = Gauge("deepinfer_router_kv_event_blocks",
+                                  "blocks a replica's KV events say it caches (all tiers)",
+                                  ["replica"], registry=self.registry)
 
     # ------------------------------------------------------------------ health
 
@@ -176,8 +183,9 @@ class Router:
         if path == "/v1/responses" and isinstance(previous, str):
             owner = await self.owner(previous, headers)
             pool = [owner] if owner is not None else pool  # none: a replica answers the 404
+        tokens = self.events.tokens(path, payload) if self.events is not None else None
         response = await self.place(pool, self.policy, routing_text(path, payload), path, body,
-                                    headers, stream)
+                                    headers, stream, tokens)
         return self.unavailable(pool) if response is None else response
 
     async def owner(self, response_id: str, headers: dict) -> Replica | None:
@@ -203,14 +211,15 @@ class Router:
             return Response(await resp.read(), resp.status, media_type="application/json")
 
     async def place(self, pool: list[Replica], policy: Policy, text: str, path: str,
-                    body: bytes, headers: dict, stream: bool) -> Response | None:
+                    body: bytes, headers: dict, stream: bool,
+                    tokens: list[int] | None = None) -> Response | None:
         """POST `body` to the replica of `pool` that `policy` picks for `text`, and return its
         response; one that fails before answering is skipped and the next one tried. None when
         no replica of `pool` could take the request."""
         tried: set[str] = set()
         while True:
             candidates = [r for r in pool if r.healthy and r.url not in tried]
-            replica = policy.choose(text, candidates)
+            replica = policy.choose(text, candidates, tokens)
             if replica is None:
                 return None
             tried.add(replica.url)
@@ -309,6 +318,8 @@ class Router:
             self.healthy.labels(r.url).set(int(r.healthy))
             self.in_flight.labels(r.url).set(r.in_flight)
             self.prefix_placed.labels(r.url).set(r.prefix_routed)
+            if self.events is not None:
+                self.event_blocks.labels(r.url).set(self.events.index.num_blocks(r.url))
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
 
@@ -317,11 +328,14 @@ def build_router_app(router: Router) -> Starlette:
     async def lifespan(app: Starlette):
         router.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
         await router.check_health()
-        task = asyncio.create_task(router.health_loop())
+        tasks = [asyncio.create_task(router.health_loop())]
+        if router.events is not None:
+            tasks.append(asyncio.create_task(router.events.follower.run()))
         try:
             yield
         finally:
-            task.cancel()
+            for task in tasks:
+                task.cancel()
             await router.session.close()
 
     routes = [

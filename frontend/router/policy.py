@@ -8,13 +8,20 @@ match when that covers at least `cache_threshold` of the prompt, else to the lea
 and whenever the load is out of balance (the busiest replica has more than
 `balance_abs_threshold` requests in flight beyond the idlest and more than
 `balance_rel_threshold` times as many), to the least-loaded one regardless.
+
+With KV events (`block_index`, frontend/router/block_index.py) a replica that publishes them is
+judged exactly instead: the share of the request's prompt tokens its cache holds, block by
+block, evictions and restarts included; replicas that publish nothing keep the guess.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from deepinfer.frontend.router.block_index import BlockIndex
 
 POLICIES = ("cache_aware", "round_robin", "least_load")
 
@@ -68,9 +75,12 @@ class Policy:
         self.cache_threshold = cache_threshold
         self.balance_abs, self.balance_rel = balance_abs_threshold, balance_rel_threshold
         self._turn = itertools.count()
+        self.block_index: BlockIndex | None = None  # set when the router follows KV events
 
-    def choose(self, text: str, replicas: list[Replica]) -> Replica | None:
-        """The replica for a request whose prompt is `text` (None: no replica to choose)."""
+    def choose(self, text: str, replicas: list[Replica],
+               tokens: Sequence[int] | None = None) -> Replica | None:
+        """The replica for a request whose prompt is `text` (None: no replica to choose);
+        `tokens`, its prompt tokens, when the router knows them (KV events)."""
         if not replicas:
             return None
         least = min(replicas, key=lambda r: (r.in_flight, r.routed))
@@ -80,15 +90,29 @@ class Policy:
             chosen = least
         else:
             # Each replica's match once (a match refreshes its index's LRU order).
-            hit, _, first = max((r.index.match(text), -r.in_flight, -i)
+            exact = self._exact(tokens, replicas)
+            hit, _, first = max((self._share(text, tokens, r, exact), -r.in_flight, -i)
                                 for i, r in enumerate(replicas))
             best = replicas[-first]
-            cached = hit > 0 and hit >= self.cache_threshold * len(text)
+            cached = hit > 0 and hit >= self.cache_threshold
             chosen = best if cached else least
             chosen.prefix_routed += cached and chosen is best
         chosen.index.insert(text)
         chosen.routed += 1
         return chosen
+
+    def _exact(self, tokens: Sequence[int] | None, replicas: list[Replica]) -> dict[str, int]:
+        if self.block_index is None or not tokens:
+            return {}
+        return self.block_index.match(tokens, [r.url for r in replicas])
+
+    @staticmethod
+    def _share(text: str, tokens: Sequence[int] | None, replica: Replica,
+               exact: dict[str, int]) -> float:
+        """The share of the prompt cached on `replica`: known from its events, else guessed."""
+        if replica.url in exact:
+            return exact[replica.url] / len(tokens)
+        return replica.index.match(text) / len(text) if text else 0.0
 
     def _imbalanced(self, replicas: list[Replica]) -> bool:
         loads = [r.in_flight for r in replicas]

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 
 import uvicorn
 
+from deepinfer.engine.config import KVEventsConfig
 from deepinfer.frontend.router.app import Router, build_router_app
 from deepinfer.frontend.router.pd import PDRouter
 from deepinfer.frontend.router.policy import Policy
@@ -32,9 +33,19 @@ def _run(router: Router, host: str, port: int, log_level: str) -> int:
 
 def run_router(urls: list[str], host: str, port: int, policy: Policy,
                health_interval: float = 1.0, log_level: str = "info",
-               api_key: str | None = None) -> int:
+               api_key: str | None = None,
+               kv_events: tuple[KVEventsConfig, str] | None = None) -> int:
+    """`kv_events`: (the replicas' --kv-events-config, the model directory to tokenize with):
+    place by the blocks their events say they cache."""
     log.info("routing %s over %d replicas: %s", policy.name, len(urls), ", ".join(urls))
-    return _run(Router(urls, policy, health_interval, api_key), host, port, log_level)
+    events = None
+    if kv_events is not None:
+        from deepinfer.frontend.router.kv_events import KVEventRouting
+
+        events = KVEventRouting(urls, *kv_events)
+        log.info("following KV events: %s",
+                 ", ".join(s.endpoint for s in events.follower.sources))
+    return _run(Router(urls, policy, health_interval, api_key, events), host, port, log_level)
 
 
 def run_pd_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int,
@@ -104,13 +115,18 @@ def local_servers(serve_args: list[list[str]], api_key: str | None,
 
 def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int,
                         policy: Policy, worker_threads: int | None,
-                        api_key: str | None = None, start_timeout: float = 600.0) -> int:
+                        api_key: str | None = None, start_timeout: float = 600.0,
+                        kv_events: tuple[KVEventsConfig, str] | None = None) -> int:
     """Start `size` replicas (`deepinfer serve` with `replica_args`, each on a free local
     port), wait until each is healthy, then route on host:port until a signal; the replicas
-    stop with the router."""
+    stop with the router. `kv_events` (the replicas' --kv-events-config, the model directory):
+    replica i publishes on its ports plus i, and the router places by those events."""
     args = [*replica_args, "--worker-threads", str(threads_each(worker_threads, size))]
-    with local_servers([args] * size, api_key, start_timeout) as urls:
-        return run_router(urls, host, port, policy, api_key=api_key)
+    argvs = [args] * size
+    if kv_events is not None:
+        argvs = [[*args, "--data-parallel-rank", str(i)] for i in range(size)]
+    with local_servers(argvs, api_key, start_timeout) as urls:
+        return run_router(urls, host, port, policy, api_key=api_key, kv_events=kv_events)
 
 
 def serve_disaggregated(server_args: list[str], prefill: int, decode: int, host: str,

@@ -14,29 +14,8 @@ import httpx
 import zmq
 
 from deepinfer import LLM, SamplingParams
-from scripts.server_process import ServerProcess
+from scripts.server_process import ServerProcess, free_ports
 from scripts.tiny_models import save_tiny_model
-
-
-def free_ports(n: int) -> int:
-    """A port p with p .. p + n - 1 all free now."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        try:
-            socks = []
-            for p in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
 
 
 def test_two_nodes_give_the_one_node_text(tmp_path):

@@ -216,3 +216,35 @@ def test_serve_prefill_and_decode_servers_need_the_prefix_cache_before_any_start
     assert cli.main(["serve", "--prefill-servers", "1", "--decode-servers", "1",
                      "--no-enable-prefix-caching"]) == 1
     assert "needs the prefix cache" in capsys.readouterr().err
+
+
+def test_serve_data_parallel_with_kv_events_ranks_its_replicas_for_the_router(started,
+                                                                              monkeypatch):
+    from deepinfer.frontend.router import server
+
+    routed = {}
+    monkeypatch.setattr(server, "run_router", lambda *a, **k: routed.update(k) or 0)
+    events = '{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000"}'
+    assert cli.main(["serve", "--model", "/m", "--data-parallel-size", "2",
+                     "--kv-events-config", events]) == 0
+    argvs = started["argvs"]
+    assert [flag(a, "--data-parallel-rank") for a in argvs] == [["0"], ["1"]]
+    assert all(flag(a, "--kv-events-config") == [events] for a in argvs)
+    config, model_dir = routed["kv_events"]
+    assert config.endpoint == "tcp://*:6000" and model_dir == "/m"
+
+
+@pytest.mark.parametrize("argv,problem", [
+    (["router", "--worker", "http://w", "--kv-events", "{}"], "needs --tokenizer"),
+    (["serve", "--kv-events-config", "{bad"], "--kv-events-config must be a JSON object"),
+    (["serve", "--data-parallel-size", "2", "--kv-events-config",
+      '{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", '
+      '"replay_endpoint": "tcp://*:5558"}'], "at least 2 apart"),
+])
+def test_kv_events_flags_are_checked_up_front(argv, problem, capsys):
+    code = None
+    try:
+        code = cli.main(argv)
+    except SystemExit as exit_info:
+        code = exit_info.code
+    assert code in (1, 2) and problem in capsys.readouterr().err

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.protocol import (
     KVConnectorMeta,
     KVTransferDone,
@@ -52,6 +53,9 @@ class KVConnector:
 
     def on_evict(self, tokens, device_block: int) -> None:
         """`tokens` (every token through the block) are about to lose `device_block`."""
+
+    def report_events(self, log: KVEventLog) -> None:
+        """Report the blocks this tier stores and drops to `log` (KV events)."""
 
     def match(self, tokens, start: int, end: int) -> list[int]:
         """Handles of the blocks that continue a hit at `start`, up to `end` tokens; pinned

@@ -23,6 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 from deepinfer.engine.kvcache.connectors.base import KVConnector
+from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.protocol import HostTierCopies, SchedulerStats, pack_ids
 
 
@@ -44,10 +45,17 @@ class HostTier(KVConnector):
         self.loads: list[tuple[int, int]] = []  # (host block, device block)
         self.blocks_saved = 0
         self.blocks_loaded = 0
+        # KV events (--kv-events-config): a block copied here is stored on the host medium,
+        # one this tier lets go of is removed from it; keyed like _index, by prefix digest.
+        self.events: KVEventLog | None = None
+        self._chained: dict[bytes, bytes] = {}
 
     @property
     def num_used(self) -> int:
         return len(self._index)
+
+    def report_events(self, log: KVEventLog) -> None:
+        self.events = log
 
     def on_evict(self, tokens, device_block: int) -> None:
         """Keep an evicted block: called by the radix cache before it frees device_block."""
@@ -62,6 +70,10 @@ class HostTier(KVConnector):
         self._pinned.add(host)
         self.saves.append((device_block, host))
         self.blocks_saved += 1
+        entry = self.events.digest(device_block) if self.events is not None else None
+        if entry is not None:
+            self._chained[key] = entry[0]
+            self.events.host_stored(entry[0], entry[1], tokens[-self.block_size:])
 
     def _take(self) -> int | None:
         if self._free:
@@ -69,6 +81,9 @@ class HostTier(KVConnector):
         for key, host in self._index.items():  # least recently used first
             if host not in self._pinned:
                 del self._index[key]
+                digest = self._chained.pop(key, None)
+                if digest is not None:
+                    self.events.host_removed(digest)
                 return host
         return None
 

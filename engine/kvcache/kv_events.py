@@ -1,0 +1,122 @@
+"""KV cache events in vLLM's wire format, and the log the prefix cache and the host tier fill.
+
+External routers (vLLM's router, NVIDIA Dynamo, llm-d) learn what each server caches from
+these. The structs encode as vLLM's do (msgspec `array_like=True, tag=True`): an event is a
+msgpack array whose first element names it, `["BlockStored", block_hashes, parent_block_hash,
+token_ids, block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
+`["AllBlocksCleared"]`; a batch is `[ts, [events...], data_parallel_rank]`.
+
+Block hashes are the chained digests of engine/kvcache/block_hash.py in their 64-bit form.
+`medium` names the tier: "GPU" for the device cache whatever the device (consumers take "GPU" for
+the primary tier, even when DeepInfer computes on a CPU), "CPU" for the host tier.
+"""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+
+from deepinfer.engine.kvcache.block_hash import chain, external_hash
+
+DEVICE = "GPU"  # the primary tier, as vLLM's consumers name it (also on CPU workers)
+HOST = "CPU"
+
+
+class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class BlockRemoved(msgspec.Struct, array_like=True, tag=True, gc=False):
+    block_hashes: list[int]
+    medium: str | None
+
+
+class AllBlocksCleared(msgspec.Struct, array_like=True, tag=True, gc=False):
+    pass
+
+
+KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class KVEventLog:
+    """Events since the last `take()`, in the order they happened. Starts with AllBlocksCleared:
+    a (re)started server tells its routers to forget whatever they knew of it."""
+
+    def __init__(self, identity: bytes, block_size: int) -> None:
+        self.identity = identity
+        self.block_size = block_size
+        self.events: list[KVEvent] = [AllBlocksCleared()]
+        # Device block id -> (digest, parent digest) while the block is in the prefix cache.
+        self._device: dict[int, tuple[bytes, bytes | None]] = {}
+
+    def take(self) -> list[KVEvent]:
+        events, self.events = self.events, []
+        return events
+
+    def batch(self, dp_rank: int | None) -> KVEventBatch | None:
+        events = self.take()
+        return KVEventBatch(time.time(), events, dp_rank) if events else None
+
+    # ------------------------------------------------------------------ device tier
+
+    def stored(self, parent_block: int | None, tokens, blocks: list[int]) -> None:
+        """`blocks` (holding `tokens`, block after block) entered the prefix cache after the
+        cached block `parent_block` (None: they start the sequence)."""
+        parent = None
+        if parent_block is not None:
+            entry = self._device.get(parent_block)
+            if entry is None:  # not reported as cached (cannot happen): no chain to extend
+                return
+            parent = entry[0]
+        digests = chain(tokens, self.block_size, self.identity, parent)
+        prev = parent
+        for b, d in zip(blocks, digests):
+            self._device[b] = (d, prev)
+            prev = d
+        self.events.append(BlockStored(
+            [external_hash(d) for d in digests], _external(parent),
+            [int(t) for t in tokens[: len(digests) * self.block_size]], self.block_size, None,
+            DEVICE))
+
+    def removed(self, block: int) -> None:
+        """`block` left the prefix cache (evicted)."""
+        entry = self._device.pop(block, None)
+        if entry is not None:
+            self._remove(entry[0], DEVICE)
+
+    def digest(self, block: int) -> tuple[bytes, bytes | None] | None:
+        """(digest, parent digest) of a device block in the prefix cache."""
+        return self._device.get(block)
+
+    # ------------------------------------------------------------------ host tier
+
+    def host_stored(self, digest: bytes, parent: bytes | None, tokens) -> None:
+        self.events.append(BlockStored(
+            [external_hash(digest)], _external(parent), [int(t) for t in tokens],
+            self.block_size, None, HOST))
+
+    def host_removed(self, digest: bytes) -> None:
+        self._remove(digest, HOST)
+
+    def _remove(self, digest: bytes, medium: str) -> None:
+        last = self.events[-1] if self.events else None
+        if isinstance(last, BlockRemoved) and last.medium == medium:
+            last.block_hashes.append(external_hash(digest))  # one event per eviction run
+        else:
+            self.events.append(BlockRemoved([external_hash(digest)], medium))
+
+
+def _external(digest: bytes | None) -> int | None:
+    return None if digest is None else external_hash(digest)
