@@ -271,6 +271,9 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     replayed_tokens: Annotated[int, stat(
         "tokens recomputed to rebuild sliding windows after prefix hits", COUNTER,
         "deepinfer_swa_replayed_tokens")] = 0
+    kv_events_dropped: Annotated[int, stat(
+        "KV event batches dropped because the publisher's queue was full (--kv-events-config)",
+        COUNTER, "deepinfer_kv_events_dropped_batches")] = 0
     swa_snapshot_hits: Annotated[int, stat(
         "prefix hits that resumed the sliding layers from a window snapshot", COUNTER,
         "deepinfer_swa_snapshot_hits")] = 0

@@ -221,6 +221,8 @@ class SchedulerLoop:
         for name in ("schedule_seconds", "update_seconds", "wait_seconds", "forward_seconds",
                      "sample_seconds"):
             setattr(fresh, name, getattr(self.stats, name))
+        if self.publisher is not None:
+            fresh.kv_events_dropped = self.publisher.dropped
         self.stats = fresh
         return fresh
 

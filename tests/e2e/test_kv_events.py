@@ -131,6 +131,9 @@ def test_a_live_server_publishes_vllm_kv_events(tiny_model):
         tail = sub.replay(seqs[-2])
         assert [s for s, _ in tail] == list(range(seqs[-2], seqs[-2] + len(tail)))
         assert [p for _, p in tail[:2]] == [sub.batches[s] for s in seqs[-2:]]
+        # Nothing was dropped, and /metrics says so.
+        metrics = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+        assert re.search(r"^deepinfer_kv_events_dropped_batches_total 0\.0$", metrics, re.M)
     finally:
         sub.close()
         server.stop()
