@@ -26,6 +26,7 @@ from deepinfer.engine.protocol import (
     PositionLogprobs,
     PromptLogprob,
 )
+from deepinfer.frontend.server.errors import decode_error
 from deepinfer.frontend.server.generation import Generation, engine_error, seeded
 from deepinfer.frontend.server.http_io import run_until_disconnect
 from deepinfer.frontend.server.kv_transfer import apply_kv_transfer
@@ -204,5 +205,9 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
 
 
 def decode_chat_dict(body: dict) -> ChatCompletionRequest:
-    """A chat request built by another endpoint's translation, checked like a client's."""
-    return msgspec.convert(body, ChatCompletionRequest)
+    """A chat request built by another endpoint's translation, checked like a client's (a 400
+    naming the field)."""
+    try:
+        return msgspec.convert(body, ChatCompletionRequest)
+    except msgspec.ValidationError as exc:
+        raise decode_error(exc) from None

@@ -27,7 +27,7 @@ from deepinfer.frontend.server.anthropic_schema import (
     decode_messages,
 )
 from deepinfer.frontend.server.chat_turns import ChatRun, decode_chat_dict, start_chat
-from deepinfer.frontend.server.errors import APIError, decode_error
+from deepinfer.frontend.server.errors import APIError
 from deepinfer.frontend.server.http_io import SSEResponse, read_json
 from deepinfer.frontend.server.state import ServerState
 
@@ -61,8 +61,6 @@ async def _start(state: ServerState, request: Request, body: dict[str, Any],
     """The chat path on the translated request; its errors renamed into Anthropic's fields."""
     try:
         return await start_chat(state, request, decode_chat_dict(body), rid, count_only)
-    except msgspec.ValidationError as exc:
-        raise renamed(decode_error(exc)) from None
     except APIError as exc:
         raise renamed(exc) from None
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from deepinfer.frontend.server.chat_turns import decode_chat_dict, start_chat
-from deepinfer.frontend.server.errors import APIError, decode_error
+from deepinfer.frontend.server.errors import APIError
 from deepinfer.frontend.server.http_io import SSEResponse, read_json
 from deepinfer.frontend.server.responses_input import (
     chat_request,
@@ -66,10 +66,7 @@ async def _create(state: ServerState, request: Request) -> Response | SSERespons
     earlier = (_stored(state, req.previous_response_id, "previous_response_id").items
                if req.previous_response_id is not None else [])
     items = earlier + parse_items(req.input)
-    try:
-        chat = decode_chat_dict(chat_request(req, items))
-    except msgspec.ValidationError as exc:
-        raise decode_error(exc) from None
+    chat = decode_chat_dict(chat_request(req, items))
     store = req.store is not False and state.responses.enabled
     base = base_response(req, new_id("resp"), int(time.time()), state.model_name, store)
     run = await start_chat(state, request, chat, base.id)
