@@ -70,3 +70,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     """A 3-layer, 64-wide random Llama that shares SmolLM2's tokenizer and chat template."""
     return save_tiny_model(tmp_path_factory.mktemp("tiny-llama"),
                            tokenizer_from=default_model_dir())
+
+
+# A request of NEVER_ENDING tokens runs for minutes (the tiny model decodes ~500 tokens/s here):
+# a test that aborts it cannot race its natural end, however slow the machine or the disconnect.
+LONG_CONTEXT = 65536
+NEVER_ENDING = 60000
+
+
+@pytest.fixture(scope="session")
+def long_tiny_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
+    """The tiny model (same weights: RoPE has no parameters) with a LONG_CONTEXT context."""
+    return save_tiny_model(tmp_path_factory.mktemp("tiny-long"), tokenizer_from=tiny_model_dir,
+                           max_position_embeddings=LONG_CONTEXT)

@@ -15,22 +15,20 @@ import httpx
 import pytest
 
 from scripts.server_process import ServerProcess
+from tests.conftest import LONG_CONTEXT, NEVER_ENDING
 
 # The client leaves once the replica has decoded LEAVE_AFTER tokens: a streaming client that
 # never read them has by then filled every buffer on the way, so the router sits in a send to
-# it. MAX_TOKENS is seconds of decoding more, far more than the abort lets through.
-LEAVE_AFTER, MAX_TOKENS = 1000, 6000
+# it. MAX_TOKENS is minutes of decoding more: the abort cannot race the request's natural end
+# (CI once saw a 6000-token request nearly run out).
+LEAVE_AFTER, MAX_TOKENS = 1000, NEVER_ENDING
 
 
 @pytest.fixture(scope="module")
-def replica(tmp_path_factory):
-    from scripts.tiny_models import save_tiny_model
-
-    model = save_tiny_model(tmp_path_factory.mktemp("router-disconnect"),
-                            max_position_embeddings=MAX_TOKENS + 64)
+def replica(long_tiny_model_dir):
     # No limit on a slow reader within MAX_TOKENS: only the disconnect may end the request.
-    server = ServerProcess(model, "--num-kv-blocks", str(MAX_TOKENS // 16 + 16),
-                           "--max-model-len", str(MAX_TOKENS + 64),
+    server = ServerProcess(long_tiny_model_dir, "--num-kv-blocks", str(LONG_CONTEXT // 16 + 16),
+                           "--max-model-len", str(LONG_CONTEXT),
                            "--max-buffered-outputs", str(MAX_TOKENS + 64),
                            "--served-model-name", "tiny")
     try:

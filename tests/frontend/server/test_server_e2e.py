@@ -22,28 +22,18 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from deepinfer.engine.tokenizer.tokenizer import Tokenizer
 from scripts.server_process import ServerProcess, descendants
-from scripts.tiny_models import save_tiny_model
+from tests.conftest import LONG_CONTEXT as CONTEXT
+from tests.conftest import NEVER_ENDING as FOREVER
 
 MAX_PENDING = 4
-# A request that runs for minutes (a 64-wide model decodes ~500 tokens/s here): a test of
-# aborting it cannot race its natural end, however slow the machine or the disconnect.
-CONTEXT = 65536
-FOREVER = 60000
 NO_EOS = {"ignore_eos": True}
 HELLO = [{"role": "user", "content": "Hello, who are you?"}]
 
 
 @pytest.fixture(scope="module")
-def long_model_dir(tiny_model_dir, tmp_path_factory) -> Path:
-    """The tiny model (same weights: RoPE has no parameters) with a 64k context."""
-    return save_tiny_model(tmp_path_factory.mktemp("tiny-long"), tokenizer_from=tiny_model_dir,
-                           max_position_embeddings=CONTEXT)
-
-
-@pytest.fixture(scope="module")
-def server(long_model_dir):
+def server(long_tiny_model_dir):
     blocks = CONTEXT // 16 + 16
-    srv = ServerProcess(long_model_dir, "--num-kv-blocks", str(blocks),
+    srv = ServerProcess(long_tiny_model_dir, "--num-kv-blocks", str(blocks),
                         "--max-model-len", str(CONTEXT),
                         "--max-pending", str(MAX_PENDING), "--served-model-name", "tiny")
     children = descendants(srv.proc.pid)
