@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import tempfile
 from pathlib import Path
 
 import msgspec
@@ -132,6 +133,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "reuse KV of shared prompt prefixes (default on)")] = True
     host_kv_cache_gb: Annotated[float, setting(
         "host-memory tier for evicted prefix-cache blocks (0: off)", at_least=0)] = 0.0
+    # The disk tier (engine/kvcache/connectors/disk_tier.py): blocks named by their chained
+    # digest, so servers of the same model may share one directory.
+    kv_disk_path: Annotated[str | None, setting(
+        "directory of a persistent disk tier for prefix-cache blocks, shared by any server of "
+        "the same model that names it (must exist and be writable; default off)")] = None
+    kv_disk_gb: Annotated[float, setting(
+        "size of the disk tier: least recently used blocks go beyond it (default 64)",
+        positive=True)] = 64.0
     # "window" replays W tokens (bounded, approximate beyond the first sliding layer);
     # "exact" replays sliding_layers * W tokens (identical to a cold run).
     swa_replay: Annotated[str, setting(
@@ -337,6 +346,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                      "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")
             _require(self.nnodes == 1, "--disaggregation-mode runs on one node per server so "
                                        "far (not with --nnodes > 1)")
+
+    def check_disk_tier(self) -> None:
+        """Raise ModelConfigError when --kv-disk-path cannot hold the disk tier: the directory
+        must exist and take a file (a read-only or missing one is refused at start)."""
+        if self.kv_disk_path is None:
+            return
+        path = Path(self.kv_disk_path)
+        _require(path.is_dir(), f"--kv-disk-path {path}: no such directory")
+        _require(self.enable_prefix_caching, "--kv-disk-path needs the prefix cache "
+                                             "(--enable-prefix-caching)")
+        try:
+            with tempfile.NamedTemporaryFile(dir=path, prefix=".deepinfer-probe-"):
+                pass
+        except OSError as e:
+            raise ModelConfigError(f"--kv-disk-path {path}: cannot write there ({e.strerror})"
+                                   ) from None
+
+    def disk_kv_blocks(self) -> int:
+        """Blocks the disk tier holds: full-attention layers of every rank, like the host
+        tier's."""
+        full = self.kv_cache_layout().layers_of(FULL)
+        if self.kv_disk_path is None or not full:
+            return 0
+        return max(1, int(self.kv_disk_gb * (1 << 30)) // self.kv_bytes_per_block(full))
 
     def check_parallel(self) -> None:
         """Raise ModelConfigError, naming the flag, when the model cannot be split as asked.

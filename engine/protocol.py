@@ -286,6 +286,30 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
                                          "deepinfer_host_kv_blocks_out")] = 0
     host_blocks_in: Annotated[int, stat("blocks copied back from the host tier", COUNTER,
                                         "deepinfer_host_kv_blocks_in")] = 0
+    # Per tier (device, host, disk): frontend/server/metrics.py renders them with a `tier`
+    # label; the read/write seconds per block and their counts per bucket of
+    # KV_TRANSFER_BUCKETS make the disk tier's histograms.
+    host_hit_tokens: Annotated[int, stat("prompt tokens loaded from the host tier",
+                                         COUNTER)] = 0
+    host_block_bytes: Annotated[int, stat("bytes of one host-tier block", GAUGE)] = 0
+    disk_hit_tokens: Annotated[int, stat("prompt tokens loaded from the disk tier",
+                                         COUNTER)] = 0
+    disk_blocks_used: Annotated[int, stat("blocks the disk tier knows on disk", GAUGE,
+                                          "deepinfer_kv_disk_blocks_used")] = 0
+    disk_used_bytes: Annotated[int, stat("bytes of the disk tier's blocks (all ranks)", GAUGE,
+                                         "deepinfer_kv_disk_used_bytes")] = 0
+    disk_corrupt_blocks: Annotated[int, stat(
+        "disk-tier blocks found damaged, truncated or foreign, deleted and recomputed",
+        COUNTER, "deepinfer_kv_disk_corrupt_blocks")] = 0
+    disk_bytes_read: Annotated[int, stat("bytes read from the disk tier", COUNTER)] = 0
+    disk_bytes_written: Annotated[int, stat("bytes written to the disk tier", COUNTER)] = 0
+    disk_read_seconds: Annotated[float, stat("seconds of disk-tier block reads", COUNTER)] = 0.0
+    disk_read_buckets: Annotated[list[int], stat(
+        "disk-tier block reads per bucket of seconds", PER_POSITION)] = []
+    disk_write_seconds: Annotated[float, stat("seconds of disk-tier block writes",
+                                              COUNTER)] = 0.0
+    disk_write_buckets: Annotated[list[int], stat(
+        "disk-tier block writes per bucket of seconds", PER_POSITION)] = []
     # Prefill/decode disaggregation: what was sent (prefill) or received (decode). Finished
     # transfers' count, seconds and counts per bucket of KV_TRANSFER_BUCKETS make the
     # deepinfer_kv_transfer_seconds histogram (frontend/server/metrics.py).
@@ -454,7 +478,31 @@ class TransferWork(msgspec.Struct, tag="transfer", **_STRUCT):
 
 # One step's entry for one KV connector (engine/kvcache/connectors): a new connector adds its
 # type here.
-KVConnectorMeta = HostTierCopies | TransferWork
+class DiskLoad(msgspec.Struct, **_STRUCT):
+    """Read a request's blocks from the disk tier into these device blocks (int32), in order;
+    `digests`: their 32-byte chained digests, concatenated."""
+
+    request_id: str
+    blocks: bytes
+    digests: bytes
+
+
+class DiskTierWork(msgspec.Struct, tag="disk_tier", **_STRUCT):
+    """The disk tier's work (engine/kvcache/connectors/disk_tier.py). Saves are device blocks
+    (int32) and their digests (32 bytes each, concatenated): `saves` are copied after this
+    step's forward (it may be what computes them), `saves_now` before it (blocks evicted in
+    this plan, computed earlier, that the forward may overwrite). `loads` run off the step
+    loop and report back (KVTransferDone); `deletes` are digests to remove (LRU by size)."""
+
+    saves: bytes = b""
+    save_digests: bytes = b""
+    saves_now: bytes = b""
+    save_now_digests: bytes = b""
+    loads: list[DiskLoad] = []
+    deletes: bytes = b""
+
+
+KVConnectorMeta = HostTierCopies | TransferWork | DiskTierWork
 
 
 class StepPlan(msgspec.Struct, tag=True, **_STRUCT):
@@ -495,6 +543,7 @@ class KVTransferDone(msgspec.Struct, tag=True, **_STRUCT):
     seconds: float = 0.0
     error: str | None = None
     cancelled: bool = False
+    damaged: int = 0  # disk tier: block files found damaged (deleted; the block is recomputed)
 
 
 class Shutdown(msgspec.Struct, tag=True, **_STRUCT):
@@ -537,7 +586,19 @@ class ProcessFailed(msgspec.Struct, tag=True, **_STRUCT):
 # What each process's one inbound socket carries.
 TokenizerInbound = GenerateRequest | Abort | TokenBatch  # from the client and the scheduler
 # From the tokenizer, worker rank 0 and every rank's KV-transfer thread.
-SchedulerInbound = TokenizedRequest | Abort | StepResult | GrammarReady | KVTransferDone
+class DiskWrites(msgspec.Struct, tag=True, **_STRUCT):
+    """A worker rank's disk-tier writer to its scheduler: blocks it wrote since its last report
+    (each one's seconds), and digests it could not write (a full or failing disk)."""
+
+    rank: int
+    blocks: int = 0
+    nbytes: int = 0
+    seconds: list[float] = []
+    failed: bytes = b""
+
+
+SchedulerInbound = (TokenizedRequest | Abort | StepResult | GrammarReady | KVTransferDone
+                    | DiskWrites)
 WorkerInbound = StepPlan | CompileGrammar | Shutdown  # from the scheduler
 ControlMessage = ProcessReady | ProcessFailed  # children -> launcher
 

@@ -14,6 +14,7 @@ class Status(enum.Enum):
     RUNNING = 2
     FINISHED = 3
     RECEIVING = 4  # its prompt's KV is being pulled from a prefill server
+    LOADING = 5  # part of its prefix is being read from a tier off the step loop (the disk)
 
 
 class Request:

@@ -160,6 +160,19 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        result = self._execute(plan)
+        for connector in self.connectors:  # e.g. save the blocks this forward computed
+            entry = plan.connectors.get(connector.name)
+            if entry is not None:
+                connector.after_forward(entry)
+        return result
+
+    def close(self) -> None:
+        """The worker stops: the connectors finish what must not be lost."""
+        for connector in self.connectors:
+            connector.close()
+
+    def _execute(self, plan: StepPlan) -> StepResult:
         self._update_states(plan)
         if not plan.seqs:  # only KV-transfer work in this plan
             return StepResult(plan.step_id, b"")

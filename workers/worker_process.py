@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import threading
 
 import msgspec
@@ -20,6 +21,8 @@ from deepinfer.engine.runtime.ipc import plan_receiver, push
 from deepinfer.engine.runtime.process_entry import ChildContext
 
 log = logging.getLogger("deepinfer.worker")
+
+_SHUTDOWN_GRACE = 1.5  # seconds a signalled rank waits for its scheduler's Shutdown
 
 
 def _threads(ctx: ChildContext) -> int:
@@ -43,6 +46,15 @@ def main(ctx: ChildContext) -> None:
                          ctx.config.enable_expert_parallel, device)
     runner = ModelRunner(ctx.config, device,
                          transport=(ctx.zmq, ctx.rank, ctx.endpoints.scheduler_in))
+    # Stopping: the scheduler, signalled too, sends its last plan (the disk tier's last saves)
+    # and Shutdown; a rank whose scheduler is gone stops on its own shortly after. Either way
+    # the connectors first finish what must not be lost (queued writes).
+    def stop_soon(*_) -> None:
+        timer = threading.Timer(_SHUTDOWN_GRACE, lambda: (runner.close(), os._exit(0)))
+        timer.daemon = True  # a rank that got its Shutdown exits at once
+        timer.start()
+
+    signal.signal(signal.SIGTERM, stop_soon)
     inbound = plan_receiver(ctx.zmq, ctx.endpoints.workers_in[ctx.rank],
                                envs.cluster_secret())
     to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in) if ctx.rank == 0 else None
@@ -64,6 +76,7 @@ def main(ctx: ChildContext) -> None:
     while True:
         msg = decode(inbound.recv())
         if isinstance(msg, Shutdown):
+            runner.close()  # e.g. the disk tier's queued writes
             return
         if isinstance(msg, CompileGrammar):
             runner.compile_grammar(msg, grammar_ready)

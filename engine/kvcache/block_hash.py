@@ -2,29 +2,21 @@
 
 A block's digest is sha256 over its parent's digest (the block before it in the sequence), its
 token ids and an identity key for everything else that changes its KV (the model, its dtype and
-the KV cache's, the block size, the rank layout). Two servers of the same model and settings
-give the same prompt the same digests, so a router or a shared tier (KV events, the disk tier of
-issue 42) can find a block wherever it is; a different model or layout can never collide.
+the KV cache's, the block size, the rank layout: engine/kv_identity.py). Two servers of the same
+model and settings give the same prompt the same digests, so a router or a shared tier (KV
+events, the disk tier) can find a block wherever it is; a different model or layout can never
+collide.
 
 KV events report the digest as a 64-bit int (its first 8 bytes, big-endian, unsigned: msgpack's
-uint64, what vLLM's consumers take); tiers that store blocks keep the full 32 bytes.
-"""
+uint64, what vLLM's consumers take); tiers that store blocks keep the full 32 bytes."""
 
 from __future__ import annotations
 
 import hashlib
 
-import msgspec
 import numpy as np
 
 DIGEST_BYTES = 32
-
-
-def identity_key(model: str, dtype: str, kv_cache_dtype: str, block_size: int,
-                 layout: str = "") -> bytes:
-    """What, besides the tokens, decides a block's KV (`layout`: e.g. the TP rank layout)."""
-    fields = ["deepinfer-kv-block-v1", model, dtype, kv_cache_dtype, block_size, layout]
-    return hashlib.sha256(msgspec.msgpack.encode(fields)).digest()
 
 
 def block_digest(parent: bytes | None, tokens, identity: bytes) -> bytes:
@@ -49,3 +41,37 @@ def chain(tokens, block_size: int, identity: bytes, parent: bytes | None = None
 def external_hash(digest: bytes) -> int:
     """The 64-bit form KV events carry (fits msgpack's uint64)."""
     return int.from_bytes(digest[:8], "big", signed=False)
+
+
+class BlockDigests:
+    """(digest, parent digest) of each device block while it is in the prefix cache, chained
+    on as blocks enter it: what the KV events and the disk tier name blocks by."""
+
+    def __init__(self, identity: bytes, block_size: int) -> None:
+        self.identity = identity
+        self.block_size = block_size
+        self._blocks: dict[int, tuple[bytes, bytes | None]] = {}
+
+    def stored(self, parent_block: int | None, tokens, blocks: list[int]
+               ) -> tuple[bytes | None, list[bytes]] | None:
+        """`blocks` (holding `tokens`, block after block) entered the cache after the cached
+        block `parent_block` (None: they start the sequence). Returns (parent digest, their
+        digests); None when the parent was never reported (no chain to extend)."""
+        parent = None
+        if parent_block is not None:
+            entry = self._blocks.get(parent_block)
+            if entry is None:
+                return None
+            parent = entry[0]
+        digests = chain(tokens, self.block_size, self.identity, parent)
+        prev = parent
+        for b, d in zip(blocks, digests):
+            self._blocks[b] = (d, prev)
+            prev = d
+        return parent, digests
+
+    def removed(self, block: int) -> tuple[bytes, bytes | None] | None:
+        return self._blocks.pop(block, None)
+
+    def get(self, block: int) -> tuple[bytes, bytes | None] | None:
+        return self._blocks.get(block)

@@ -8,7 +8,8 @@ token_ids, block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium
 
 Block hashes are the chained digests of engine/kvcache/block_hash.py in their 64-bit form.
 `medium` names the tier: "GPU" for the device cache whatever the device (consumers take "GPU" for
-the primary tier, even when DeepInfer computes on a CPU), "CPU" for the host tier.
+the primary tier, even when DeepInfer computes on a CPU), "CPU" for the host tier, "DISK" for
+the disk tier.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ import time
 
 import msgspec
 
-from deepinfer.engine.kvcache.block_hash import chain, external_hash
+from deepinfer.engine.kvcache.block_hash import BlockDigests, external_hash
 
 DEVICE = "GPU"  # the primary tier, as vLLM's consumers name it (also on CPU workers)
 HOST = "CPU"
+DISK = "DISK"
 
 
 class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
@@ -58,8 +60,7 @@ class KVEventLog:
         self.identity = identity
         self.block_size = block_size
         self.events: list[KVEvent] = [AllBlocksCleared()]
-        # Device block id -> (digest, parent digest) while the block is in the prefix cache.
-        self._device: dict[int, tuple[bytes, bytes | None]] = {}
+        self._device = BlockDigests(identity, block_size)  # blocks in the prefix cache
 
     def take(self) -> list[KVEvent]:
         events, self.events = self.events, []
@@ -74,17 +75,10 @@ class KVEventLog:
     def stored(self, parent_block: int | None, tokens, blocks: list[int]) -> None:
         """`blocks` (holding `tokens`, block after block) entered the prefix cache after the
         cached block `parent_block` (None: they start the sequence)."""
-        parent = None
-        if parent_block is not None:
-            entry = self._device.get(parent_block)
-            if entry is None:  # not reported as cached (cannot happen): no chain to extend
-                return
-            parent = entry[0]
-        digests = chain(tokens, self.block_size, self.identity, parent)
-        prev = parent
-        for b, d in zip(blocks, digests):
-            self._device[b] = (d, prev)
-            prev = d
+        named = self._device.stored(parent_block, tokens, blocks)
+        if named is None:  # the parent was not reported as cached (cannot happen)
+            return
+        parent, digests = named
         self.events.append(BlockStored(
             [external_hash(d) for d in digests], _external(parent),
             [int(t) for t in tokens[: len(digests) * self.block_size]], self.block_size, None,
@@ -92,7 +86,7 @@ class KVEventLog:
 
     def removed(self, block: int) -> None:
         """`block` left the prefix cache (evicted)."""
-        entry = self._device.pop(block, None)
+        entry = self._device.removed(block)
         if entry is not None:
             self._remove(entry[0], DEVICE)
 
@@ -100,15 +94,16 @@ class KVEventLog:
         """(digest, parent digest) of a device block in the prefix cache."""
         return self._device.get(block)
 
-    # ------------------------------------------------------------------ host tier
+    # ------------------------------------------------------------------ other tiers
 
-    def host_stored(self, digest: bytes, parent: bytes | None, tokens) -> None:
+    def tier_stored(self, medium: str, digest: bytes, parent: bytes | None, tokens) -> None:
+        """A tier (HOST, DISK) now holds the block `digest` of `tokens` after `parent`."""
         self.events.append(BlockStored(
             [external_hash(digest)], _external(parent), [int(t) for t in tokens],
-            self.block_size, None, HOST))
+            self.block_size, None, medium))
 
-    def host_removed(self, digest: bytes) -> None:
-        self._remove(digest, HOST)
+    def tier_removed(self, medium: str, digest: bytes) -> None:
+        self._remove(digest, medium)
 
     def _remove(self, digest: bytes, medium: str) -> None:
         last = self.events[-1] if self.events else None

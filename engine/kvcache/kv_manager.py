@@ -79,6 +79,7 @@ class KVManager:
         self.connectors = list(connectors)
         if self.cache is not None:
             self.cache.on_evict = self._on_evict
+            self.cache.on_insert = self._on_insert
 
     def report_events(self, log: KVEventLog) -> None:
         """KV events (--kv-events-config): the prefix cache and every tier report the blocks
@@ -91,6 +92,10 @@ class KVManager:
     def _on_evict(self, tokens, device_block: int) -> None:
         for c in self.connectors:
             c.on_evict(tokens, device_block)
+
+    def _on_insert(self, parent_block: int | None, tokens, blocks: list[int]) -> None:
+        for c in self.connectors:
+            c.on_stored(parent_block, tokens, blocks)
 
     # ------------------------------------------------------------------ capacity
 
@@ -181,12 +186,13 @@ class KVManager:
 
     # ------------------------------------------------------------------ prefix cache
 
-    def match_prefix(self, req: Request, reuse: bool = True) -> None:
+    def match_prefix(self, req: Request, reuse: bool = True) -> bool:
         """On admission: reuse the longest cached prefix and set where computing starts.
-        `reuse` False: compute the whole prompt (it needs every position's logits)."""
+        `reuse` False: compute the whole prompt (it needs every position's logits). Returns
+        whether the request must first wait for loads from a tier (LOADING)."""
         req.hit_tokens = req.full_kv_from = req.window_from = req.replayed_tokens = 0
         if self.cache is None or req.num_computed or not reuse:
-            return
+            return False
         # At least one token is computed: its logits give the next token.
         tokens = req.tokens(0, req.num_tokens)
         match = self.cache.match(tokens, max_tokens=req.num_tokens - 1)
@@ -194,8 +200,10 @@ class KVManager:
         req.cache_node = match.node
         hit = match.num_tokens
         req.tables[self.full] = list(match.blocks)
+        waits = False
         for connector in self.connectors:  # each continues the hit where the last left off
             hit += self._load_from_connector(connector, req, tokens, hit)
+            waits = connector.loads_wait(req) or waits
         req.hit_tokens = hit
         start = hit
         req.window_exact, req.snapshot_hit = True, False
@@ -221,6 +229,7 @@ class KVManager:
             start = replay_from
         req.full_kv_from = hit
         req.num_computed = start
+        return waits
 
     def remote_window_start(self, num_tokens: int) -> int:
         """First sliding block a query right after `num_tokens` prompt tokens still sees."""

@@ -30,6 +30,8 @@ BlockKey = tuple[int, ...]  # the token ids of one full block
 Tokens = np.ndarray | Sequence[int]
 # Called before an evicted block is freed: (all tokens from the start through that block, block id).
 EvictCallback = Callable[[BlockKey, int], None]
+# Called when blocks enter the cache: (the cached block before them or None, their tokens, ids).
+InsertCallback = Callable[[int | None, list[int], list[int]], None]
 
 
 @dataclass
@@ -76,6 +78,7 @@ class RadixCache:
         self.snapshot_allocator = snapshot_allocator  # the sliding layers' blocks, if any
         self.block_size = block_size
         self.on_evict = on_evict  # hook for a host-memory tier
+        self.on_insert: InsertCallback | None = None  # hook for a disk tier
         self.events: KVEventLog | None = None  # KV events (--kv-events-config): what enters/leaves
         self._root = RadixNode([], [], None, 0)
         self._clock = 0
@@ -131,9 +134,12 @@ class RadixCache:
         if i == n:
             return 0
         new = list(blocks[i:n])
-        if self.events is not None:
-            self.events.stored(path[i - 1] if i else None,
-                               [t for key in keys[i:] for t in key], new)
+        if self.events is not None or self.on_insert is not None:
+            parent, new_tokens = path[i - 1] if i else None, [t for key in keys[i:] for t in key]
+            if self.events is not None:
+                self.events.stored(parent, new_tokens, new)
+            if self.on_insert is not None:
+                self.on_insert(parent, new_tokens, new)
         for b in new:
             self.allocator.share(b)
         # Always a new child, never an extension of a leaf: a lock handle must keep covering

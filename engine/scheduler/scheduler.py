@@ -10,10 +10,11 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.engine.kv_layout import FULL, KVGroup
-from deepinfer.engine.kvcache.connectors import KVConnector, build_connectors
+from deepinfer.engine.kvcache.connectors import DiskTierSettings, KVConnector, build_connectors
 from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.kvcache.kv_manager import KVManager
 from deepinfer.engine.protocol import (
+    DiskWrites,
     FinishReason,
     KVTransferDone,
     KVTransferParams,
@@ -47,6 +48,7 @@ class SchedulerConfig:
     swa_replay_tokens: int | None = None  # None: the window W
     swa_snapshot_interval: int = 0  # window snapshots every this many prompt tokens (0: none)
     host_blocks: int = 0  # host-memory tier for evicted prefix-cache blocks (0: off)
+    tier_block_bytes: int = 0  # a full-attention block's bytes, all ranks (tier metrics)
     num_speculative_tokens: int = 0  # draft slots a decode may get (0: no speculation)
     speculative_disable_by_batch_size: int | None = None
     worker_ranks: int = 1  # every rank reports its KV transfers (disaggregation)
@@ -56,6 +58,7 @@ class SchedulerConfig:
     # KV events (--kv-events-config): the block identity key (engine/kvcache/block_hash.py);
     # None: no events.
     kv_events_identity: bytes | None = None
+    disk_tier: DiskTierSettings | None = None  # --kv-disk-path (None: off)
 
 
 @dataclass
@@ -95,7 +98,7 @@ class Scheduler:
         # and the KV manager talk to them only through the seam.
         self.connectors: list[KVConnector] = build_connectors(
             self.kv, config.host_blocks, config.worker_ranks, config.kv_hold_timeout,
-            config.kv_dtype, config.vocab_size)
+            config.kv_dtype, config.vocab_size, config.disk_tier, config.tier_block_bytes)
         self.kv.attach(self.connectors)
         self.kv_events: KVEventLog | None = None
         if config.kv_events_identity is not None:
@@ -175,7 +178,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if reason != FinishReason.ABORT:
+        if reason != FinishReason.ABORT and status != Status.LOADING:
             self.kv.cache_request(req)
         kept, said = False, None
         for connector in self.connectors:
@@ -188,7 +191,7 @@ class Scheduler:
             self._finished_for_workers.append(req.request_id)
         return said
 
-    def connector_report(self, msg: KVTransferDone) -> TokenDelta | None:
+    def connector_report(self, msg: KVTransferDone | DiskWrites) -> TokenDelta | None:
         """A worker rank's report on a connector's work: a request whose KV arrived from
         outside runs on from the tokens it came with, or fails."""
         for connector in self.connectors:
@@ -198,6 +201,14 @@ class Scheduler:
         else:
             return None
         req = outcome.req
+        if outcome.retry:  # its loads failed: look it up again, first in line
+            req.status, req.cached_tokens = Status.WAITING, None
+            self.waiting.appendleft(req)
+            return None
+        if outcome.resume:  # its prefix is in place: it computes on from the hit
+            req.status = Status.RUNNING
+            self.running.append(req)
+            return None
         if outcome.error is not None:
             del self.requests[req.request_id]
             return self._reject(req.request_id, outcome.error)
@@ -214,6 +225,10 @@ class Scheduler:
     def has_connector_work(self) -> bool:
         """A connector has work for the workers (a plan goes out for it alone)."""
         return any(c.has_plan() for c in self.connectors)
+
+    def connector_plan(self) -> ScheduledStep | None:
+        """A plan of the connectors' work alone (stopping: e.g. the disk tier's last saves)."""
+        return self._build_plan([]) if self.has_connector_work() else None
 
     def connector_deadline(self) -> float | None:
         """When a connector next lets go of something that waited too long."""
@@ -293,7 +308,13 @@ class Scheduler:
                 req.status = Status.RECEIVING
                 continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
-            self.kv.match_prefix(req, reuse=not prompt_logprobs.wants(req))
+            if self.kv.match_prefix(req, reuse=not prompt_logprobs.wants(req)):
+                # Its prefix is read off the step loop; others run meanwhile (connector_report).
+                self.waiting.popleft()
+                if req.cached_tokens is None:
+                    req.cached_tokens = min(req.hit_tokens, req.num_prompt)
+                req.status = Status.LOADING
+                continue
             n = self._chunk(req, budget)
             need = self.kv.needs(req, req.num_computed + n)
             if not self.kv.can_allocate(need):

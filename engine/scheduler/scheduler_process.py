@@ -12,18 +12,20 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from pathlib import Path
 
 import msgspec
 import zmq
 
 from deepinfer.engine import envs
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.kvcache.block_hash import identity_key
+from deepinfer.engine.kv_identity import kv_block_identity
+from deepinfer.engine.kvcache.connectors import DiskTierSettings
 from deepinfer.engine.kvcache.event_publisher import ZmqEventPublisher
+from deepinfer.engine.model_config import FULL
 from deepinfer.engine.protocol import (
     Abort,
     CompileGrammar,
+    DiskWrites,
     GrammarReady,
     KVTransferDone,
     SchedulerInbound,
@@ -39,14 +41,6 @@ from deepinfer.engine.statistics import progress_line
 
 log = logging.getLogger("deepinfer.scheduler")
 
-
-
-def kv_block_identity(cfg: EngineConfig) -> bytes:
-    """What besides the tokens decides a block's KV on this server (engine/kvcache/block_hash.py):
-    the model (its directory's name and architecture), dtypes, block size, rank layout."""
-    model = f"{Path(cfg.resolved_model_dir()).name}:{cfg.model_config().architecture}"
-    return identity_key(model, cfg.dtype, cfg.kv_dtype(), cfg.block_size,
-                        f"tp{cfg.tensor_parallel_size}")
 
 
 def build_scheduler(ctx: ChildContext) -> Scheduler:
@@ -65,6 +59,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         swa_replay_tokens=cfg.swa_replay_tokens(),
         swa_snapshot_interval=cfg.swa_snapshot_tokens(),
         host_blocks=cfg.host_kv_blocks(),
+        tier_block_bytes=full_block_bytes(cfg),
         num_speculative_tokens=cfg.num_speculative_tokens if cfg.speculative_method else 0,
         speculative_disable_by_batch_size=cfg.speculative_disable_by_batch_size,
         worker_ranks=cfg.tensor_parallel_size,
@@ -72,7 +67,22 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         kv_dtype=cfg.kv_dtype(),
         vocab_size=model.vocab_size,
         kv_events_identity=kv_block_identity(cfg) if cfg.kv_events() is not None else None,
+        disk_tier=disk_tier_settings(cfg),
     ))
+
+
+def full_block_bytes(cfg: EngineConfig) -> int:
+    """A block's bytes over the full-attention layers: what the host and disk tiers keep."""
+    full = cfg.kv_cache_layout().layers_of(FULL)
+    return cfg.kv_bytes_per_block(full) if full else 0
+
+
+def disk_tier_settings(cfg: EngineConfig) -> DiskTierSettings | None:
+    blocks = cfg.disk_kv_blocks()
+    if not blocks:
+        return None
+    return DiskTierSettings(cfg.kv_disk_path, kv_block_identity(cfg), blocks,
+                            full_block_bytes(cfg), cfg.tensor_parallel_size)
 
 
 class SchedulerLoop:
@@ -172,7 +182,7 @@ class SchedulerLoop:
                 self.scheduler.abort(msg.request_ids, msg.reason)
             elif isinstance(msg, StepResult):
                 self.results[msg.step_id] = msg
-            elif isinstance(msg, KVTransferDone):
+            elif isinstance(msg, (KVTransferDone, DiskWrites)):
                 delta = self.scheduler.connector_report(msg)
                 if delta is not None:
                     deltas.append(delta)
@@ -234,6 +244,9 @@ def main(ctx: ChildContext) -> None:
         # Ranks on other hosts are not the launcher's to stop: tell every rank to exit.
         for sock in loop.to_workers:
             sock.setsockopt(zmq.LINGER, 1000)
+        last = loop.scheduler.connector_plan()  # e.g. blocks the disk tier has yet to save
+        if last is not None:
+            loop._send_workers(last.plan)
         loop._send_workers(Shutdown())
         if loop.publisher is not None:  # what the last steps changed still reaches routers
             loop._publish_events()

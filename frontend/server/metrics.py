@@ -65,7 +65,9 @@ class EngineStatsCollector(Collector):
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
-        yield _kv_transfer_histogram(s)
+        yield _histogram("deepinfer_kv_transfer_seconds", "seconds per KV transfer",
+                         s.kv_transfer_buckets, s.kv_transfer_seconds)
+        yield from _tier_metrics(s)
 
 
 def _declared_metrics(s: SchedulerStats) -> Iterator[Metric]:
@@ -95,16 +97,38 @@ def _declared_metrics(s: SchedulerStats) -> Iterator[Metric]:
         yield phases
 
 
-def _kv_transfer_histogram(s: SchedulerStats) -> Metric:
-    """Prefill/decode disaggregation: seconds per KV transfer (first read to release)."""
-    counts = s.kv_transfer_buckets or [0] * (len(KV_TRANSFER_BUCKETS) + 1)
-    cumulative, total = [], 0
+def _histogram(name: str, doc: str, buckets: list[int], total: float,
+               labels: dict[str, str] | None = None) -> Metric:
+    """A histogram from counts per bucket of KV_TRANSFER_BUCKETS (the scheduler's stats)."""
+    counts = buckets or [0] * (len(KV_TRANSFER_BUCKETS) + 1)
+    cumulative, n = [], 0
     for bound, count in zip((*map(str, KV_TRANSFER_BUCKETS), "+Inf"), counts):
-        total += count
-        cumulative.append((bound, float(total)))
-    h = HistogramMetricFamily("deepinfer_kv_transfer_seconds", "seconds per KV transfer")
-    h.add_metric([], cumulative, sum_value=s.kv_transfer_seconds)
+        n += count
+        cumulative.append((bound, float(n)))
+    labels = labels or {}
+    h = HistogramMetricFamily(name, doc, labels=list(labels))
+    h.add_metric(list(labels.values()), cumulative, sum_value=total)
     return h
+
+
+def _tier_metrics(s: SchedulerStats) -> Iterator[Metric]:
+    """The KV cache's tiers side by side: device (the prefix cache), host, disk."""
+    host, disk = s.host_hit_tokens, s.disk_hit_tokens
+    for name, doc, values in (
+            ("deepinfer_kv_tier_hit_tokens", "prompt tokens served from each tier of the KV cache",
+             {"device": s.prefix_cache_hits - host - disk, "host": host, "disk": disk}),
+            ("deepinfer_kv_tier_read_bytes", "bytes read back from each tier",
+             {"host": s.host_blocks_in * s.host_block_bytes, "disk": s.disk_bytes_read}),
+            ("deepinfer_kv_tier_written_bytes", "bytes written to each tier",
+             {"host": s.host_blocks_out * s.host_block_bytes, "disk": s.disk_bytes_written})):
+        family = CounterMetricFamily(name, doc, labels=["tier"])
+        for tier, value in values.items():
+            family.add_metric([tier], float(value))
+        yield family
+    yield _histogram("deepinfer_kv_tier_read_seconds", "seconds per read of a request's blocks",
+                     s.disk_read_buckets, s.disk_read_seconds, {"tier": "disk"})
+    yield _histogram("deepinfer_kv_tier_write_seconds", "seconds per block written",
+                     s.disk_write_buckets, s.disk_write_seconds, {"tier": "disk"})
 
 
 class Metrics:

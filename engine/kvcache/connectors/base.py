@@ -3,9 +3,10 @@ holds KV blocks, or that KV blocks come from (host memory, another server's cach
 
 The scheduler and the KV manager hold a list of connectors and know none by name; every hook
 has a do-nothing default, so a connector implements only what it takes part in:
-- prefix tiers (the KV manager's hooks): be offered a full-attention block the prefix cache is
-  about to evict (`on_evict`); continue a prefix hit with consecutive blocks it holds (`match`
-  gives their handles, `plan_load` pairs each with the device block allocated for it,
+- prefix tiers (the KV manager's hooks): be told of blocks entering the prefix cache
+  (`on_stored`) and offered one it is about to evict (`on_evict`); continue a prefix hit with
+  consecutive blocks it holds (`match` gives their handles, `plan_load` pairs each with the
+  device block allocated for it, `loads_wait` says whether the request must wait for them,
   `cancel_loads` withdraws the loads of a request that could not be admitted after all);
 - requests whose KV lives outside (the scheduler's hooks): refuse one up front (`check`),
   admit one without computing its prompt (`admit`), take part in its end (`finished`: keep its
@@ -19,12 +20,13 @@ The worker halves (workers/kv_connectors/) run the entries before the forward. N
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.protocol import (
+    DiskWrites,
     KVConnectorMeta,
     KVTransferDone,
     KVTransferParams,
@@ -38,12 +40,16 @@ from deepinfer.engine.request import Request, Status
 @dataclass
 class Arrival:
     """A request's KV from outside is in place: it runs on from these output tokens (and their
-    logprobs); or it cannot be had (`error`), its blocks already freed."""
+    logprobs); or it cannot be had (`error`), its blocks already freed. A request that waited
+    for loads (LOADING) computes on from where its hit ended (`resume`), or, its loads failed
+    and its blocks freed, is looked up again from the start (`retry`)."""
 
     req: Request
-    tokens: list[int]
-    logprobs: list[SampledLogprobs]
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[SampledLogprobs] = field(default_factory=list)
     error: str | None = None
+    resume: bool = False
+    retry: bool = False
 
 
 class KVConnector:
@@ -53,6 +59,10 @@ class KVConnector:
 
     def on_evict(self, tokens, device_block: int) -> None:
         """`tokens` (every token through the block) are about to lose `device_block`."""
+
+    def on_stored(self, parent_block: int | None, tokens, blocks: list[int]) -> None:
+        """`blocks` (holding `tokens`) entered the prefix cache after cached `parent_block`;
+        they are computed by the end of the step being planned."""
 
     def report_events(self, log: KVEventLog) -> None:
         """Report the blocks this tier stores and drops to `log` (KV events)."""
@@ -67,6 +77,11 @@ class KVConnector:
 
     def cancel_loads(self, device_blocks: list[int]) -> None:
         """Forget the planned loads into these device blocks."""
+
+    def loads_wait(self, req: Request) -> bool:
+        """The loads planned since the last call are `req`'s. True: they run off the step loop
+        and `req` waits for them (LOADING) until `report` says they landed."""
+        return False
 
     # ------------------------------------------------------------------ requests
 
@@ -91,7 +106,7 @@ class KVConnector:
         (True when it kept something)."""
         return False
 
-    def report(self, msg: KVTransferDone) -> Arrival | None:
+    def report(self, msg: KVTransferDone | DiskWrites) -> Arrival | None:
         """A worker rank's report about this connector's work; an outcome once it is whole
         (None also for a request aborted meanwhile: its blocks are freed, nobody to tell)."""
         return None

@@ -23,7 +23,7 @@ from collections import OrderedDict
 import numpy as np
 
 from deepinfer.engine.kvcache.connectors.base import KVConnector
-from deepinfer.engine.kvcache.kv_events import KVEventLog
+from deepinfer.engine.kvcache.kv_events import HOST, KVEventLog
 from deepinfer.engine.protocol import HostTierCopies, SchedulerStats, pack_ids
 
 
@@ -35,9 +35,10 @@ def prefix_digest(tokens) -> bytes:
 class HostTier(KVConnector):
     name = "host_tier"
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, block_bytes: int = 0) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.block_bytes = block_bytes  # one block's bytes (over every rank)
         self._free = list(range(num_blocks))
         self._index: OrderedDict[bytes, int] = OrderedDict()  # LRU order: oldest first
         self._pinned: set[int] = set()  # host blocks the plan being built reads or writes
@@ -73,7 +74,7 @@ class HostTier(KVConnector):
         entry = self.events.digest(device_block) if self.events is not None else None
         if entry is not None:
             self._chained[key] = entry[0]
-            self.events.host_stored(entry[0], entry[1], tokens[-self.block_size:])
+            self.events.tier_stored(HOST, entry[0], entry[1], tokens[-self.block_size:])
 
     def _take(self) -> int | None:
         if self._free:
@@ -83,7 +84,7 @@ class HostTier(KVConnector):
                 del self._index[key]
                 digest = self._chained.pop(key, None)
                 if digest is not None:
-                    self.events.host_removed(digest)
+                    self.events.tier_removed(HOST, digest)
                 return host
         return None
 
@@ -130,3 +131,5 @@ class HostTier(KVConnector):
         stats.host_blocks_used = self.num_used
         stats.host_blocks_out = self.blocks_saved
         stats.host_blocks_in = self.blocks_loaded
+        stats.host_hit_tokens = self.blocks_loaded * self.block_size
+        stats.host_block_bytes = self.block_bytes

@@ -132,9 +132,11 @@ class KVTransfer(KVConnector):
             return True, self._hold(req, logprobs)
         return False, None
 
-    def report(self, msg: KVTransferDone) -> Arrival | None:
+    def report(self, msg) -> Arrival | None:
         """A rank's report: the decode side is done with held blocks (prefill), or a pull ended
         (decode: once every rank's has, the request runs from its first token, or fails)."""
+        if not isinstance(msg, KVTransferDone):  # another connector's report
+            return None
         self._confirm(msg)
         return self._received(msg)
 

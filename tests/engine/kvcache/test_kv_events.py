@@ -6,13 +6,9 @@ from __future__ import annotations
 import msgspec
 import numpy as np
 
+from deepinfer.engine.kv_identity import identity_key
 from deepinfer.engine.kvcache.block_allocator import BlockAllocator
-from deepinfer.engine.kvcache.block_hash import (
-    block_digest,
-    chain,
-    external_hash,
-    identity_key,
-)
+from deepinfer.engine.kvcache.block_hash import block_digest, chain, external_hash
 from deepinfer.engine.kvcache.connectors.host_tier import HostTier
 from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.kvcache.radix_cache import RadixCache

@@ -1,0 +1,271 @@
+"""Disk tier for the prefix cache (a KV connector): full-attention blocks persist in files
+named by their chained digest (engine/kvcache/disk_files.py), so they outlive the server and
+any server of the same model that shares the directory finds them.
+
+Writes: a block that enters the prefix cache is saved at once, not when it is evicted: the
+worker half copies it to host memory after the forward that computes it (or before the forward,
+for a block evicted in the same plan, which that forward may overwrite) and a writer thread
+puts it on disk. A crash loses only what was being written. Beyond --kv-disk-gb the least
+recently used blocks are deleted.
+
+Reads: a prefix hit that continues on disk allocates device blocks for the rest and the
+request waits (LOADING) while the worker half reads them off the step loop; others run
+meanwhile. When every rank has reported, it computes on from its hit; a read that failed (a
+damaged or vanished file) frees its blocks and the request is looked up again, without them.
+
+The index is what this server knows to be on disk: the files found at start, the blocks it
+saved, and blocks other servers wrote, learnt when a lookup misses (one stat of the next
+block's file).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from deepinfer.engine.kv_disk_files import block_path, rank_dir, scan
+from deepinfer.engine.kvcache.block_hash import BlockDigests, chain
+from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector
+from deepinfer.engine.kvcache.kv_events import DISK, KVEventLog
+from deepinfer.engine.kvcache.kv_manager import KVManager
+from deepinfer.engine.protocol import (
+    KV_TRANSFER_BUCKETS,
+    DiskLoad,
+    DiskTierWork,
+    DiskWrites,
+    KVTransferDone,
+    SchedulerStats,
+    pack_ids,
+)
+from deepinfer.engine.request import Request, Status
+
+
+@dataclass(frozen=True)
+class DiskTierSettings:
+    root: str  # --kv-disk-path
+    identity: bytes  # the server's block identity key (engine/kvcache/block_identity.py)
+    blocks: int  # what --kv-disk-gb holds
+    block_bytes: int  # one block's bytes over every rank (disk usage)
+    ranks: int = 1
+
+
+@dataclass
+class _Loading:
+    req: Request
+    digests: list[bytes]
+    reports: dict[int, KVTransferDone] = field(default_factory=dict)
+    aborted: bool = False
+
+
+def _buckets() -> list[int]:
+    return [0] * (len(KV_TRANSFER_BUCKETS) + 1)
+
+
+@dataclass
+class DiskCounters:
+    hit_tokens: int = 0
+    corrupt: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    read_seconds: float = 0.0
+    read_buckets: list[int] = field(default_factory=_buckets)
+    write_seconds: float = 0.0
+    write_buckets: list[int] = field(default_factory=_buckets)
+
+    def read(self, seconds: float) -> None:
+        self.read_seconds += seconds
+        self.read_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
+
+    def wrote(self, seconds: float) -> None:
+        self.write_seconds += seconds
+        self.write_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
+
+
+class DiskTier(KVConnector):
+    name = "disk_tier"
+
+    def __init__(self, kv: KVManager, settings: DiskTierSettings) -> None:
+        self.kv = kv
+        self.settings = settings
+        self.block_size = kv.block_size
+        self.digests = BlockDigests(settings.identity, kv.block_size)
+        # Where rank 0's files are: what lookups check (every rank writes its own share).
+        self.folder: Path = rank_dir(settings.root, settings.identity, 0)
+        self.index: OrderedDict[bytes, None] = OrderedDict(  # LRU order: oldest first
+            (d, None) for d, _ in sorted(scan(self.folder), key=lambda e: e[1]))
+        self._pinned: set[bytes] = set()  # being loaded: not deleted meanwhile
+        # Blocks whose read failed: never learnt again from a file (one that could not be
+        # deleted would fail every retry), only saved anew.
+        self._failed: set[bytes] = set()
+        self._saves: list[tuple[int, bytes]] = []  # (device block, digest), after the forward
+        self._saves_now: list[tuple[int, bytes]] = []  # before it: evicted in this plan
+        self._deletes: list[bytes] = []
+        self._found: list[bytes] = []  # match()'s handles, while a plan is being built
+        self._planned: list[tuple[bytes, int]] = []  # (digest, device block) since loads_wait
+        self._loads: list[DiskLoad] = []
+        self._loading: dict[str, _Loading] = {}
+        self.counters = DiskCounters()
+        self.events: KVEventLog | None = None
+        self._trim()
+
+    def report_events(self, log: KVEventLog) -> None:
+        self.events = log
+
+    # ------------------------------------------------------------------ writes
+
+    def on_stored(self, parent_block: int | None, tokens, blocks: list[int]) -> None:
+        named = self.digests.stored(parent_block, tokens, blocks)
+        if named is None:
+            return
+        parent, digests = named
+        bs = self.block_size
+        for i, (block, digest) in enumerate(zip(blocks, digests)):
+            if digest in self.index:
+                self.index.move_to_end(digest)
+            else:
+                self.index[digest] = None
+                self._failed.discard(digest)
+                self._saves.append((block, digest))
+                if self.events is not None:
+                    self.events.tier_stored(DISK, digest, digests[i - 1] if i else parent,
+                                            tokens[i * bs:(i + 1) * bs])
+        self._trim()
+
+    def on_evict(self, tokens, device_block: int) -> None:
+        self.digests.removed(device_block)
+        # A save still to be planned must copy the block before this plan's forward reuses it.
+        keep = []
+        for save in self._saves:
+            (self._saves_now if save[0] == device_block else keep).append(save)
+        self._saves = keep
+
+    def _trim(self) -> None:
+        """Delete least recently used blocks beyond the size (never one being loaded)."""
+        excess = len(self.index) - self.settings.blocks
+        if excess <= 0:
+            return
+        for digest in list(self.index):
+            if excess <= 0:
+                break
+            if digest in self._pinned:
+                continue
+            del self.index[digest]
+            self._deletes.append(digest)
+            if self.events is not None:
+                self.events.tier_removed(DISK, digest)
+            excess -= 1
+
+    # ------------------------------------------------------------------ reads
+
+    def match(self, tokens, start: int, end: int) -> list[int]:
+        bs = self.block_size
+        if end // bs <= start // bs:
+            return []
+        digests = chain(tokens[: end // bs * bs], bs, self.settings.identity)
+        found = []
+        for digest in digests[start // bs:]:
+            if digest in self.index:
+                self.index.move_to_end(digest)
+            elif digest not in self._failed and block_path(self.folder, digest).exists():
+                # another server wrote it
+                self.index[digest] = None
+            else:
+                break
+            self._pinned.add(digest)
+            self._found.append(digest)
+            found.append(len(self._found) - 1)
+        return found
+
+    def plan_load(self, handle: int, device_block: int) -> None:
+        self._planned.append((self._found[handle], device_block))
+
+    def loads_wait(self, req: Request) -> bool:
+        planned, self._planned = self._planned, []
+        if not planned:
+            return False
+        digests = [d for d, _ in planned]
+        self._loading[req.request_id] = _Loading(req, digests)
+        self._loads.append(DiskLoad(req.request_id, pack_ids([b for _, b in planned]),
+                                    b"".join(digests)))
+        return True
+
+    def report(self, msg) -> Arrival | None:
+        if isinstance(msg, DiskWrites):
+            self._wrote(msg)
+            return None
+        loading = self._loading.get(msg.transfer_id)
+        if loading is None:
+            return None
+        loading.reports[msg.rank] = msg
+        if len(loading.reports) < self.settings.ranks:
+            return None
+        del self._loading[msg.transfer_id]
+        self._pinned.difference_update(loading.digests)
+        reports = loading.reports.values()
+        c = self.counters
+        c.bytes_read += sum(r.bytes for r in reports)
+        c.corrupt += sum(r.damaged for r in reports)
+        c.read(max(r.seconds for r in reports))
+        good = min(r.blocks for r in reports)
+        failed = any(r.error is not None for r in reports)
+        if failed and good < len(loading.digests):  # damaged or gone: recompute it
+            self.index.pop(loading.digests[good], None)
+            self._failed.add(loading.digests[good])
+        if loading.aborted:
+            self.kv.release(loading.req)
+            return None
+        if failed:
+            self.kv.unmatch_prefix(loading.req)
+            return Arrival(loading.req, retry=True)
+        c.hit_tokens += len(loading.digests) * self.block_size
+        return Arrival(loading.req, resume=True)
+
+    def _wrote(self, msg: DiskWrites) -> None:
+        c = self.counters
+        c.bytes_written += msg.nbytes
+        for seconds in msg.seconds:
+            c.wrote(seconds)
+        for i in range(0, len(msg.failed), 32):  # not on disk after all (a full disk)
+            self.index.pop(msg.failed[i:i + 32], None)
+
+    def finished(self, req: Request, status: Status, logprobs) -> tuple[bool, None]:
+        """A request aborted while it loads keeps its blocks until the loads report (the
+        worker writes into them meanwhile)."""
+        loading = self._loading.get(req.request_id)
+        if status != Status.LOADING or loading is None:
+            return False, None
+        loading.aborted = True
+        return True, None
+
+    # ------------------------------------------------------------------ every step
+
+    def has_plan(self) -> bool:
+        return bool(self._saves or self._saves_now or self._loads or self._deletes)
+
+    def plan_entry(self) -> DiskTierWork | None:
+        self._found = []
+        if not self.has_plan():
+            return None
+        entry = DiskTierWork(
+            saves=pack_ids([b for b, _ in self._saves]),
+            save_digests=b"".join(d for _, d in self._saves),
+            saves_now=pack_ids([b for b, _ in self._saves_now]),
+            save_now_digests=b"".join(d for _, d in self._saves_now),
+            loads=self._loads, deletes=b"".join(self._deletes))
+        self._saves, self._saves_now, self._loads, self._deletes = [], [], [], []
+        return entry
+
+    def fill_stats(self, stats: SchedulerStats) -> None:
+        c = self.counters
+        stats.disk_blocks_used = len(self.index)
+        stats.disk_used_bytes = len(self.index) * self.settings.block_bytes
+        stats.disk_hit_tokens = c.hit_tokens
+        stats.disk_corrupt_blocks = c.corrupt
+        stats.disk_bytes_read = c.bytes_read
+        stats.disk_bytes_written = c.bytes_written
+        stats.disk_read_seconds = c.read_seconds
+        stats.disk_read_buckets = list(c.read_buckets)
+        stats.disk_write_seconds = c.write_seconds
+        stats.disk_write_buckets = list(c.write_buckets)
