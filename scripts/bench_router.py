@@ -25,15 +25,26 @@ import aiohttp
 REPO = Path(__file__).resolve().parent.parent
 sys.path.append(str(REPO))  # for scripts.*, after site-packages
 
-from scripts.server_process import ServerProcess  # noqa: E402
+from scripts.server_process import ServerProcess, free_ports  # noqa: E402
 
 TOPICS = ["astronomy", "cooking", "gardening", "chess", "sailing", "baking", "painting",
           "cycling", "history", "music", "geology", "poetry"]
 
 
-def start(policy: str, replicas: int, model: str) -> ServerProcess:
-    return ServerProcess(model, "--data-parallel-size", str(replicas), "--policy", policy,
-                         timeout=600)
+# "events": cache_aware placement on the replicas' KV events (exact) instead of the router's
+# approximate index of what it sent where.
+EVENTS = '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:%d"}'
+
+
+def start(policy: str, replicas: int, model: str, kv_blocks: int | None) -> ServerProcess:
+    args = ["--data-parallel-size", str(replicas)]
+    if policy == "events":
+        args += ["--policy", "cache_aware", "--kv-events-config", EVENTS % free_ports(replicas)]
+    else:
+        args += ["--policy", policy]
+    if kv_blocks is not None:
+        args += ["--num-kv-blocks", str(kv_blocks)]
+    return ServerProcess(model, *args, timeout=600)
 
 
 async def turn(session: aiohttp.ClientSession, url: str, messages: list[dict],
@@ -77,16 +88,21 @@ async def workload(url: str, args: argparse.Namespace) -> dict:
                     rows.append(r)
     prompt = sum(r["prompt"] for r in rows)
     cached = sum(r["cached"] for r in rows)
-    ttfts = [r["ttft"] for r in rows]
+    ttfts = sorted(r["ttft"] for r in rows)
     return {"prompt_tokens": prompt, "cached_tokens": cached, "computed_tokens": prompt - cached,
             "hit_rate": cached / prompt, "ttft_mean_ms": statistics.mean(ttfts) * 1e3,
-            "ttft_p50_ms": statistics.median(ttfts) * 1e3}
+            "ttft_p50_ms": statistics.median(ttfts) * 1e3,
+            "ttft_p99_ms": ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))] * 1e3}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
-    p.add_argument("--policies", default="cache_aware,round_robin")
+    p.add_argument("--policies", default="cache_aware,round_robin",
+                   help="comma-separated: cache_aware, round_robin, least_load, or events "
+                        "(cache_aware on the replicas' KV events)")
+    p.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="per replica (small: cache pressure, evictions)")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--sessions", type=int, default=7, help="odd: round robin moves sessions")
     p.add_argument("--turns", type=int, default=4)
@@ -95,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = {"command": " ".join(["scripts/bench_router.py", *(argv or sys.argv[1:])])}
     for policy in args.policies.split(","):
-        server = start(policy, args.replicas, args.model)
+        server = start(policy, args.replicas, args.model, args.num_kv_blocks)
         try:
             out[policy] = asyncio.run(workload(server.base_url, args))
         finally:
