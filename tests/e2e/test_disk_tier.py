@@ -200,9 +200,21 @@ def _mount_tmpfs(where: Path, options: str) -> None:
                    capture_output=True)
 
 
-needs_mount = pytest.mark.skipif(
-    os.geteuid() != 0 or subprocess.run(["which", "mount"], capture_output=True).returncode,
-    reason="a small tmpfs (a full disk, a read-only one) needs root")
+def _can_mount() -> bool:
+    """Whether this machine lets us mount a tmpfs (root with the capability to)."""
+    if os.geteuid() != 0:
+        return False
+    with tempfile.TemporaryDirectory() as probe:
+        try:
+            _mount_tmpfs(Path(probe), "size=4k")
+        except (OSError, subprocess.CalledProcessError):
+            return False
+        subprocess.run(["umount", probe], check=False)
+    return True
+
+
+needs_mount = pytest.mark.skipif(not _can_mount(),
+                                 reason="a small tmpfs (a full disk, a read-only one) needs root")
 
 
 @needs_mount
@@ -272,3 +284,18 @@ def test_two_models_in_one_directory_never_share_a_block(tiny_model_dir, tmp_pat
         assert out.cached_tokens == 0 and llm.stats().disk_hit_tokens == 0
     assert len(list((tmp_path / "kv").iterdir())) == 2  # one folder per model
     assert out.token_ids == cold(other, tokens).token_ids
+
+
+def test_each_tensor_parallel_rank_keeps_its_own_share(tiny_model_dir, tmp_path):
+    tokens = prompt(70, seed=50)
+    kw = dict(num_kv_blocks=200, block_size=4, kv_disk_path=str(tmp_path),
+              tensor_parallel_size=2)
+    with LLM(str(tiny_model_dir), **kw) as llm:
+        llm.generate([tokens], GREEDY)
+    ranks = sorted(p.name for p in next(tmp_path.iterdir()).iterdir())
+    assert ranks == ["rank0", "rank1"]
+    with LLM(str(tiny_model_dir), **kw) as llm:
+        again = llm.generate([tokens], GREEDY)[0]
+        assert llm.stats().disk_hit_tokens == 68
+    ref = cold(tiny_model_dir, tokens, tensor_parallel_size=2)
+    assert again.token_ids == ref.token_ids and max_logprob_gap(again, ref) < 1e-4
