@@ -480,11 +480,21 @@ class TransferWork(msgspec.Struct, tag="transfer", **_STRUCT):
 # type here.
 class DiskLoad(msgspec.Struct, **_STRUCT):
     """Read a request's blocks from the disk tier into these device blocks (int32), in order;
-    `digests`: their 32-byte chained digests, concatenated."""
+    `digests`: their 32-byte chained digests, concatenated. `window_blocks`: sliding-window
+    blocks to read the snapshot `window_digest` into (after the full blocks)."""
 
     request_id: str
     blocks: bytes
     digests: bytes
+    window_blocks: bytes = b""
+    window_digest: bytes = b""
+
+
+class WindowSave(msgspec.Struct, **_STRUCT):
+    """A sliding-window snapshot to save: its sliding blocks (int32) under one name."""
+
+    digest: bytes
+    blocks: bytes
 
 
 class DiskTierWork(msgspec.Struct, tag="disk_tier", **_STRUCT):
@@ -500,6 +510,7 @@ class DiskTierWork(msgspec.Struct, tag="disk_tier", **_STRUCT):
     save_now_digests: bytes = b""
     loads: list[DiskLoad] = []
     deletes: bytes = b""
+    window_saves: list[WindowSave] = []  # after the forward, as `saves`
 
 
 KVConnectorMeta = HostTierCopies | TransferWork | DiskTierWork

@@ -45,7 +45,11 @@ class KVCache(Sequence[KVPair]):
 
     def full_attention(self) -> list[KVPair]:
         """The pairs of full-attention entries: what the host tier keeps copies of."""
-        return [pair for pair, layer in zip(self.pairs, self.layers) if layer.kind == FULL]
+        return self.of_kind(FULL)
+
+    def of_kind(self, kind: str) -> list[KVPair]:
+        """The pairs of the entries of one kind (engine/kv_layout.py: FULL, SLIDING)."""
+        return [pair for pair, layer in zip(self.pairs, self.layers) if layer.kind == kind]
 
     def __getitem__(self, i):  # (an int or a slice, as a list's)
         return self.pairs[i]

@@ -38,6 +38,11 @@ def chain(tokens, block_size: int, identity: bytes, parent: bytes | None = None
     return out
 
 
+def snapshot_digest(digest: bytes) -> bytes:
+    """The name of the sliding-window snapshot kept where the block `digest` ends."""
+    return hashlib.sha256(b"deepinfer-swa-snapshot\0" + digest).digest()
+
+
 def external_hash(digest: bytes) -> int:
     """The 64-bit form KV events carry (fits msgpack's uint64)."""
     return int.from_bytes(digest[:8], "big", signed=False)

@@ -80,6 +80,8 @@ class KVManager:
         if self.cache is not None:
             self.cache.on_evict = self._on_evict
             self.cache.on_insert = self._on_insert
+            self.cache.on_snapshot = self._on_snapshot
+            self.cache.on_snapshot_drop = self._on_snapshot_drop
 
     def report_events(self, log: KVEventLog) -> None:
         """KV events (--kv-events-config): the prefix cache and every tier report the blocks
@@ -96,6 +98,14 @@ class KVManager:
     def _on_insert(self, parent_block: int | None, tokens, blocks: list[int]) -> None:
         for c in self.connectors:
             c.on_stored(parent_block, tokens, blocks)
+
+    def _on_snapshot(self, full_block: int, snapshot: Snapshot) -> None:
+        for c in self.connectors:
+            c.on_snapshot(full_block, snapshot)
+
+    def _on_snapshot_drop(self, snapshot: Snapshot) -> None:
+        for c in self.connectors:
+            c.on_snapshot_drop(snapshot)
 
     # ------------------------------------------------------------------ capacity
 
@@ -200,23 +210,23 @@ class KVManager:
         req.cache_node = match.node
         hit = match.num_tokens
         req.tables[self.full] = list(match.blocks)
-        waits = False
         for connector in self.connectors:  # each continues the hit where the last left off
             hit += self._load_from_connector(connector, req, tokens, hit)
-            waits = connector.loads_wait(req) or waits
         req.hit_tokens = hit
         start = hit
         req.window_exact, req.snapshot_hit = True, False
         if self.sliding is not None and hit:
             # SWA bounded replay: recompute [R, H) so sliding layers have their window.
             replay_from = max(0, hit - self.replay_tokens) // self.block_size * self.block_size
-            snapshot = self._nearest_snapshot(match, hit, replay_from)
+            shared = self._nearest_snapshot(match, hit, replay_from)
+            snapshot = shared or self._load_snapshot(tokens, hit, replay_from)
             if snapshot is not None:
                 replay_from, snap = snapshot
                 self.snapshot_hits += 1
                 req.snapshot_hit = True
-                for b in snap.blocks:
-                    self._sliding_allocator.share(b)
+                if shared is not None:  # the tree's, shared (a loaded one is the request's)
+                    for b in snap.blocks:
+                        self._sliding_allocator.share(b)
                 req.tables[self.sliding] = [-1] * snap.first + list(snap.blocks)
                 req.window_from = snap.first * self.block_size
             else:
@@ -229,6 +239,9 @@ class KVManager:
             start = replay_from
         req.full_kv_from = hit
         req.num_computed = start
+        waits = False
+        for connector in self.connectors:  # (each is asked: the call hands over its loads)
+            waits = connector.loads_wait(req) or waits
         return waits
 
     def remote_window_start(self, num_tokens: int) -> int:
@@ -275,6 +288,29 @@ class KVManager:
         for pos, snap in RadixCache.snapshots_on_path(match, self.block_size):
             if pos >= replay_from:
                 return pos, snap
+        return None
+
+    def _load_snapshot(self, tokens, hit: int, replay_from: int
+                       ) -> tuple[int, Snapshot] | None:
+        """(position, snapshot) a connector holds at or after `replay_from` (the deepest), its
+        sliding blocks allocated here and their load planned; None when none has one or the
+        sliding blocks are short."""
+        bs = self.block_size
+        for connector in self.connectors:
+            found = connector.match_snapshot(tokens, hit, replay_from)
+            if found is None:
+                continue
+            pos, handle = found
+            first = max(0, pos - self.window + 1) // bs
+            n = pos // bs - first
+            allocator = self._sliding_allocator
+            if n > allocator.num_free:
+                self.cache.evict_snapshots(n - allocator.num_free)
+            if n > allocator.num_free:
+                return None
+            blocks = allocator.allocate(n)
+            connector.plan_snapshot_load(handle, blocks)
+            return pos, Snapshot(first, blocks)
         return None
 
     def _load_from_connector(self, connector: KVConnector, req: Request, tokens, hit: int

@@ -79,6 +79,10 @@ class RadixCache:
         self.block_size = block_size
         self.on_evict = on_evict  # hook for a host-memory tier
         self.on_insert: InsertCallback | None = None  # hook for a disk tier
+        # Hooks for a disk tier: a snapshot kept at the end of a cached block (the tree's block
+        # there, the snapshot), and one dropped.
+        self.on_snapshot: Callable[[int, Snapshot], None] | None = None
+        self.on_snapshot_drop: Callable[[Snapshot], None] | None = None
         self.events: KVEventLog | None = None  # KV events (--kv-events-config): what enters/leaves
         self._root = RadixNode([], [], None, 0)
         self._clock = 0
@@ -161,6 +165,8 @@ class RadixCache:
             self.snapshot_allocator.share(b)
         node.snapshot = Snapshot(snapshot.first, list(snapshot.blocks))
         self.num_snapshots += 1
+        if self.on_snapshot is not None:
+            self.on_snapshot(node.blocks[-1], node.snapshot)
         return True
 
     @staticmethod
@@ -181,6 +187,8 @@ class RadixCache:
         snap, node.snapshot = node.snapshot, None
         if snap is None:
             return 0
+        if self.on_snapshot_drop is not None:
+            self.on_snapshot_drop(snap)
         freed = sum(self.snapshot_allocator.ref_count(b) == 1 for b in snap.blocks)
         self.snapshot_allocator.free(snap.blocks)
         self.num_snapshots -= 1

@@ -49,32 +49,39 @@ def block_files(root: Path) -> list[Path]:
 
 @pytest.fixture(scope="module", params=["llama", "qwen3-hybrid", "deepseek-v4"])
 def model(request, tiny_model_dir, tmp_path_factory):
+    """(model, whether it has sliding windows): Llama; a Qwen3 hybrid (two sliding layers of
+    four, W = 8); DeepSeek-V4 (every layer has a window, CSA and HCA compressed entries)."""
     if request.param == "llama":
-        return tiny_model_dir, {}
+        return tiny_model_dir, False
     if request.param == "deepseek-v4":
-        return save_tiny_model(tmp_path_factory.mktemp("v4"), "deepseek_v4"), {
-            "swa_replay": "exact"}
+        return save_tiny_model(tmp_path_factory.mktemp("v4"), "deepseek_v4"), True
     return save_tiny_model(
         tmp_path_factory.mktemp("hybrid"), "qwen3", num_hidden_layers=4, sliding_window=W,
         use_sliding_window=True, layer_types=["sliding_attention", "full_attention",
-                                              "sliding_attention", "full_attention"]), {
-        "swa_replay": "exact"}
+                                              "sliding_attention", "full_attention"]), True
 
 
+@pytest.mark.parametrize("shared", [0, 6], ids=["at_a_snapshot", "past_a_snapshot"])
 def test_a_restarted_engine_reads_the_prefix_from_disk_as_a_cold_run_computes_it(
-        model, tmp_path):
-    model_dir, kw = model
-    tokens = prompt(10 * W + 3, seed=3)
-    with LLM(str(model_dir), num_kv_blocks=200, block_size=4, kv_disk_path=str(tmp_path),
-             **kw) as llm:
-        first = llm.generate([tokens], GREEDY)[0]
-    assert first.cached_tokens == 0 and block_files(tmp_path)
-    with LLM(str(model_dir), num_kv_blocks=200, block_size=4, kv_disk_path=str(tmp_path),
-             **kw) as llm:  # a new engine: its device cache is empty
-        again = llm.generate([tokens], GREEDY)[0]
+        model, shared, tmp_path):
+    """The second prompt shares 10 W + `shared` tokens with the first: its hit ends at a
+    snapshot saved inside the first (every W), or past one, from which the sliding layers
+    replay; either way what a cold run computes (default replay mode)."""
+    model_dir, sliding = model
+    first = prompt(12 * W, seed=3)
+    second = first[:10 * W + shared] + prompt(5, seed=4)
+    with LLM(str(model_dir), num_kv_blocks=200, block_size=4, kv_disk_path=str(tmp_path)) as llm:
+        assert llm.generate([first], GREEDY)[0].cached_tokens == 0
+    assert block_files(tmp_path)
+    with LLM(str(model_dir), num_kv_blocks=200, block_size=4,
+             kv_disk_path=str(tmp_path)) as llm:  # a new engine: its device cache is empty
+        again = llm.generate([second], GREEDY)[0]
         stats = llm.stats()
-    assert again.cached_tokens == 10 * W and stats.disk_hit_tokens == 10 * W
-    ref = cold(model_dir, tokens, **kw)
+    hit = (10 * W + shared) // 4 * 4
+    assert again.cached_tokens == hit and stats.disk_hit_tokens == hit
+    if sliding:  # resumed from a snapshot read from disk: at most the tokens since it replay
+        assert stats.swa_snapshot_hits == 1 and stats.replayed_tokens == hit - 10 * W
+    ref = cold(model_dir, second)
     assert again.token_ids == ref.token_ids and max_logprob_gap(again, ref) < 1e-4
 
 

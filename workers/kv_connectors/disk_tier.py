@@ -35,6 +35,7 @@ from deepinfer.engine.kv_disk_files import (
     write_block,
 )
 from deepinfer.engine.kv_identity import rank_identity
+from deepinfer.engine.kv_layout import FULL, SLIDING
 from deepinfer.engine.protocol import DiskLoad, DiskTierWork, DiskWrites, KVTransferDone, unpack_ids
 from deepinfer.engine.runtime.ipc import push
 from deepinfer.workers.kv_cache import KVCache
@@ -57,9 +58,11 @@ class DiskTierWorker(WorkerConnector):
     def __init__(self, holders: Sequence[KVCache], root: str, identity: bytes, rank: int,
                  zctx: zmq.Context, report_to: str) -> None:
         """`holders`: the target's cache first, then any proposer's."""
-        self.tensors = [t for cache in holders for pair in cache.full_attention() for t in pair]
-        self.row_bytes = [t[0].numel() * t.element_size() for t in self.tensors]
-        self.block_bytes = sum(self.row_bytes)
+        self.full = _Rows([t for cache in holders for pair in cache.of_kind(FULL) for t in pair])
+        # Sliding-window snapshots: the sliding entries' rows of their blocks, in one file.
+        self.window = _Rows([t for cache in holders for pair in cache.of_kind(SLIDING)
+                             for t in pair])
+        self.block_bytes = self.full.block_bytes
         self.folder = rank_dir(root, identity, rank)
         self.key = rank_identity(identity, rank)
         self.rank = rank
@@ -88,18 +91,19 @@ class DiskTierWorker(WorkerConnector):
     def after_forward(self, entry: DiskTierWork) -> None:
         if entry.saves:
             self._save(entry.saves, entry.save_digests)
+        for save in entry.window_saves:  # one file per snapshot: its blocks' rows in order
+            self._queue(save.digest, self.window.gather(unpack_ids(save.blocks)).reshape(-1))
 
     def _save(self, packed: bytes, digests: bytes) -> None:
         """Gather the blocks into host memory now (the step loop may reuse them next)."""
-        index = torch.from_numpy(unpack_ids(packed).astype(np.int64))
-        rows = [t.index_select(0, index.to(t.device)).reshape(len(index), -1).view(torch.uint8)
-                .cpu() for t in self.tensors]
-        blocks = torch.cat(rows, dim=1).numpy() if rows else np.zeros((len(index), 0), np.uint8)
+        blocks = self.full.gather(unpack_ids(packed))
+        for digest, payload in zip(_digests(digests), blocks):
+            self._queue(digest, payload)
+
+    def _queue(self, digest: bytes, payload: np.ndarray) -> None:
         with self.pending_lock:
-            for digest, payload in zip(_digests(digests), blocks):
-                self.pending[digest] = payload
-        for digest in _digests(digests):
-            self.writes.put(("save", digest, None))
+            self.pending[digest] = payload
+        self.writes.put(("save", digest, None))
 
     def close(self) -> None:
         """Flush the writes still queued (a drain before shutdown), then stop (the step loop
@@ -156,8 +160,8 @@ class DiskTierWorker(WorkerConnector):
     def _load_loop(self, zctx: zmq.Context, report_to: str) -> None:
         report = push(zctx, report_to)
         encode = msgspec.msgpack.Encoder().encode
-        on_gpu = any(t.is_cuda for t in self.tensors)
-        stream = torch.cuda.Stream(self.tensors[0].device) if on_gpu else None
+        on_gpu = any(t.is_cuda for t in self.full.tensors)
+        stream = torch.cuda.Stream(self.full.tensors[0].device) if on_gpu else None
         while True:
             load = self.loads.get()
             if load is None:
@@ -169,43 +173,76 @@ class DiskTierWorker(WorkerConnector):
             report.send(encode(done))
         report.close(linger=1000)
 
+    def _read(self, digest: bytes, size: int) -> tuple[np.ndarray, int]:
+        """A block's (or snapshot's) bytes, from the writer's queue or its file; and the bytes
+        read from disk. Raises OSError or DamagedBlock (the file is deleted)."""
+        with self.pending_lock:
+            payload = self.pending.get(digest)
+        if payload is not None:
+            return payload, 0
+        try:
+            data = read_block(self.folder, digest, self.key, size)
+        except DamagedBlock as e:
+            delete_block(self.folder, digest)
+            log.warning("disk tier: deleted a damaged block file (%s)", e)
+            raise
+        return np.frombuffer(data, np.uint8), len(data)
+
     def _load(self, load: DiskLoad) -> KVTransferDone:
         t0 = time.perf_counter()
-        digests = _digests(load.digests)
         targets = unpack_ids(load.blocks).astype(np.int64)
+        window = unpack_ids(load.window_blocks).astype(np.int64)
         payloads, error, damaged, nbytes = [], None, 0, 0
-        for digest in digests:
-            with self.pending_lock:
-                payload = self.pending.get(digest)
-            if payload is None:
-                try:
-                    payload = np.frombuffer(read_block(self.folder, digest, self.key,
-                                                       self.block_bytes), np.uint8)
-                except FileNotFoundError:
-                    error = "a block's file is gone (evicted by another server?)"
-                except DamagedBlock as e:
-                    error, damaged = f"a damaged block file: {e}", 1
-                    delete_block(self.folder, digest)
-                    log.warning("disk tier: deleted a damaged block file (%s)", e)
-                except OSError as e:
-                    error = f"cannot read a block file: {e.strerror or e}"
-                if error is not None:
-                    break
-                nbytes += len(payload)
+        wanted = [(d, self.full.block_bytes) for d in _digests(load.digests)]
+        if len(window):
+            wanted.append((load.window_digest, self.window.block_bytes * len(window)))
+        for digest, size in wanted:
+            try:
+                payload, n = self._read(digest, size)
+            except FileNotFoundError:
+                error = "a block's file is gone (evicted by another server?)"
+            except DamagedBlock as e:
+                error, damaged = f"a damaged block file: {e}", 1
+            except OSError as e:
+                error = f"cannot read a block file: {e.strerror or e}"
+            if error is not None:
+                break
+            nbytes += n
             payloads.append(payload)
-        if payloads:
-            self._copy_in(np.stack(payloads), targets[:len(payloads)])
-        return KVTransferDone(load.request_id, self.rank, blocks=len(payloads), bytes=nbytes,
+        full = payloads[:len(targets)]
+        if full:
+            self.full.scatter(np.stack(full), targets[:len(full)])
+        if len(payloads) > len(targets):
+            self.window.scatter(payloads[-1].reshape(len(window), -1), window)
+        return KVTransferDone(load.request_id, self.rank, blocks=len(full), bytes=nbytes,
                               seconds=time.perf_counter() - t0, error=error, damaged=damaged)
 
-    def _copy_in(self, blocks: np.ndarray, targets: np.ndarray) -> None:
-        """blocks [n, block_bytes] uint8 -> each tensor's rows at `targets`."""
+
+class _Rows:
+    """A set of KV tensors seen as one row of bytes per block: what a block's file holds."""
+
+    def __init__(self, tensors: list[torch.Tensor]) -> None:
+        self.tensors = tensors
+        self.row_bytes = [t[0].numel() * t.element_size() for t in tensors]
+        self.block_bytes = sum(self.row_bytes)
+
+    def gather(self, blocks: np.ndarray) -> np.ndarray:
+        """[n, block_bytes] uint8 on the host: the blocks' rows, tensor after tensor."""
+        index = torch.from_numpy(blocks.astype(np.int64))
+        rows = [t.index_select(0, index.to(t.device)).reshape(len(index), -1)
+                .view(torch.uint8).cpu() for t in self.tensors]
+        return torch.cat(rows, dim=1).numpy() if rows else np.zeros((len(index), 0), np.uint8)
+
+    def scatter(self, blocks: np.ndarray, targets: np.ndarray) -> None:
+        """The inverse: [n, block_bytes] uint8 into each tensor's rows at `targets`."""
+        if not blocks.flags.writeable or not blocks.flags.c_contiguous:  # (torch wants both)
+            blocks = np.array(blocks)
         host = torch.from_numpy(blocks)
+        index = torch.from_numpy(targets)
         offset = 0
         for t, size in zip(self.tensors, self.row_bytes):
             part = host[:, offset:offset + size].contiguous().view(t.dtype)
             offset += size
-            index = torch.from_numpy(targets).to(t.device)
-            t.index_copy_(0, index, part.view(len(targets), *t.shape[1:]).to(
+            t.index_copy_(0, index.to(t.device), part.view(len(targets), *t.shape[1:]).to(
                 t.device, non_blocking=True))
 

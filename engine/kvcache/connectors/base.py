@@ -7,7 +7,9 @@ has a do-nothing default, so a connector implements only what it takes part in:
   (`on_stored`) and offered one it is about to evict (`on_evict`); continue a prefix hit with
   consecutive blocks it holds (`match` gives their handles, `plan_load` pairs each with the
   device block allocated for it, `loads_wait` says whether the request must wait for them,
-  `cancel_loads` withdraws the loads of a request that could not be admitted after all);
+  `cancel_loads` withdraws the loads of a request that could not be admitted after all); the
+  same for sliding-window snapshots (`on_snapshot`, `on_snapshot_drop`, `match_snapshot`,
+  `plan_snapshot_load`);
 - requests whose KV lives outside (the scheduler's hooks): refuse one up front (`check`),
   admit one without computing its prompt (`admit`), take part in its end (`finished`: keep its
   blocks, say where they are), and turn the workers' reports into the request going on or
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer.engine.kvcache.kv_events import KVEventLog
+from deepinfer.engine.kvcache.radix_cache import Snapshot
 from deepinfer.engine.protocol import (
     DiskWrites,
     KVConnectorMeta,
@@ -64,6 +67,13 @@ class KVConnector:
         """`blocks` (holding `tokens`) entered the prefix cache after cached `parent_block`;
         they are computed by the end of the step being planned."""
 
+    def on_snapshot(self, full_block: int, snapshot: Snapshot) -> None:
+        """The prefix cache keeps `snapshot` (sliding-window blocks) where its cached block
+        `full_block` ends; computed by the end of the step being planned."""
+
+    def on_snapshot_drop(self, snapshot: Snapshot) -> None:
+        """The prefix cache lets go of `snapshot`: its blocks may be reused."""
+
     def report_events(self, log: KVEventLog) -> None:
         """Report the blocks this tier stores and drops to `log` (KV events)."""
 
@@ -77,6 +87,14 @@ class KVConnector:
 
     def cancel_loads(self, device_blocks: list[int]) -> None:
         """Forget the planned loads into these device blocks."""
+
+    def match_snapshot(self, tokens, hit: int, start: int) -> tuple[int, int] | None:
+        """A sliding-window snapshot this tier holds at a block boundary in [start, hit] of
+        `tokens` (the deepest): (its position, a handle), pinned like match()'s."""
+        return None
+
+    def plan_snapshot_load(self, handle: int, sliding_blocks: list[int]) -> None:
+        raise NotImplementedError
 
     def loads_wait(self, req: Request) -> bool:
         """The loads planned since the last call are `req`'s. True: they run off the step loop

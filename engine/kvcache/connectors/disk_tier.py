@@ -8,6 +8,10 @@ for a block evicted in the same plan, which that forward may overwrite) and a wr
 puts it on disk. A crash loses only what was being written. Beyond --kv-disk-gb the least
 recently used blocks are deleted.
 
+Hybrid models: a sliding-window snapshot the prefix cache keeps (engine/kvcache/kv_manager.py)
+is saved as one more file, named after the block it ends; a hit from disk resumes its sliding
+layers from the deepest one within the replay budget, as a hit in memory does.
+
 Reads: a prefix hit that continues on disk allocates device blocks for the rest and the
 request waits (LOADING) while the worker half reads them off the step loop; others run
 meanwhile. When every rank has reported, it computes on from its hit; a read that failed (a
@@ -26,10 +30,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer.engine.kv_disk_files import block_path, rank_dir, scan
-from deepinfer.engine.kvcache.block_hash import BlockDigests, chain
+from deepinfer.engine.kvcache.block_hash import BlockDigests, chain, snapshot_digest
 from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector
 from deepinfer.engine.kvcache.kv_events import DISK, KVEventLog
 from deepinfer.engine.kvcache.kv_manager import KVManager
+from deepinfer.engine.kvcache.radix_cache import Snapshot
 from deepinfer.engine.protocol import (
     KV_TRANSFER_BUCKETS,
     DiskLoad,
@@ -37,6 +42,7 @@ from deepinfer.engine.protocol import (
     DiskWrites,
     KVTransferDone,
     SchedulerStats,
+    WindowSave,
     pack_ids,
 )
 from deepinfer.engine.request import Request, Status
@@ -55,6 +61,7 @@ class DiskTierSettings:
 class _Loading:
     req: Request
     digests: list[bytes]
+    window: bytes | None = None  # the snapshot's name, when one is read too
     reports: dict[int, KVTransferDone] = field(default_factory=dict)
     aborted: bool = False
 
@@ -104,6 +111,8 @@ class DiskTier(KVConnector):
         self._deletes: list[bytes] = []
         self._found: list[bytes] = []  # match()'s handles, while a plan is being built
         self._planned: list[tuple[bytes, int]] = []  # (digest, device block) since loads_wait
+        self._planned_window: tuple[bytes, list[int]] | None = None  # (name, sliding blocks)
+        self._window_saves: list[tuple[bytes, Snapshot]] = []
         self._loads: list[DiskLoad] = []
         self._loading: dict[str, _Loading] = {}
         self.counters = DiskCounters()
@@ -140,6 +149,27 @@ class DiskTier(KVConnector):
         for save in self._saves:
             (self._saves_now if save[0] == device_block else keep).append(save)
         self._saves = keep
+
+    def on_snapshot(self, full_block: int, snapshot: Snapshot) -> None:
+        entry = self.digests.get(full_block)
+        if entry is None:
+            return
+        name = snapshot_digest(entry[0])
+        if name in self.index:
+            self.index.move_to_end(name)
+            return
+        self.index[name] = None
+        self._failed.discard(name)
+        self._window_saves.append((name, snapshot))
+        self._trim()
+
+    def on_snapshot_drop(self, snapshot: Snapshot) -> None:
+        """A snapshot dropped before its save went out is not saved (its blocks may be reused
+        by the plan being built); it was never on disk."""
+        for name, snap in self._window_saves:
+            if snap is snapshot:
+                self.index.pop(name, None)
+        self._window_saves = [(n, s) for n, s in self._window_saves if s is not snapshot]
 
     def _trim(self) -> None:
         """Delete least recently used blocks beyond the size (never one being loaded)."""
@@ -181,14 +211,39 @@ class DiskTier(KVConnector):
     def plan_load(self, handle: int, device_block: int) -> None:
         self._planned.append((self._found[handle], device_block))
 
+    def match_snapshot(self, tokens, hit: int, start: int) -> tuple[int, int] | None:
+        bs = self.block_size
+        if hit < bs:
+            return None
+        digests = chain(tokens[:hit], bs, self.settings.identity)
+        for pos in range(hit, max(start, bs) - 1, -bs):  # the deepest first
+            name = snapshot_digest(digests[pos // bs - 1])
+            if name in self.index:
+                self.index.move_to_end(name)
+            elif name not in self._failed and block_path(self.folder, name).exists():
+                self.index[name] = None
+            else:
+                continue
+            self._pinned.add(name)
+            self._found.append(name)
+            return pos, len(self._found) - 1
+        return None
+
+    def plan_snapshot_load(self, handle: int, sliding_blocks: list[int]) -> None:
+        self._planned_window = (self._found[handle], list(sliding_blocks))
+
     def loads_wait(self, req: Request) -> bool:
         planned, self._planned = self._planned, []
-        if not planned:
+        window, self._planned_window = self._planned_window, None
+        if not planned and window is None:
             return False
         digests = [d for d, _ in planned]
-        self._loading[req.request_id] = _Loading(req, digests)
-        self._loads.append(DiskLoad(req.request_id, pack_ids([b for _, b in planned]),
-                                    b"".join(digests)))
+        self._loading[req.request_id] = _Loading(req, digests,
+                                                 window[0] if window is not None else None)
+        load = DiskLoad(req.request_id, pack_ids([b for _, b in planned]), b"".join(digests))
+        if window is not None:
+            load.window_digest, load.window_blocks = window[0], pack_ids(window[1])
+        self._loads.append(load)
         return True
 
     def report(self, msg) -> Arrival | None:
@@ -203,6 +258,7 @@ class DiskTier(KVConnector):
             return None
         del self._loading[msg.transfer_id]
         self._pinned.difference_update(loading.digests)
+        self._pinned.discard(loading.window)
         reports = loading.reports.values()
         c = self.counters
         c.bytes_read += sum(r.bytes for r in reports)
@@ -210,9 +266,11 @@ class DiskTier(KVConnector):
         c.read(max(r.seconds for r in reports))
         good = min(r.blocks for r in reports)
         failed = any(r.error is not None for r in reports)
-        if failed and good < len(loading.digests):  # damaged or gone: recompute it
-            self.index.pop(loading.digests[good], None)
-            self._failed.add(loading.digests[good])
+        if failed:  # the first that failed, damaged or gone: recompute it
+            bad = loading.digests[good] if good < len(loading.digests) else loading.window
+            if bad is not None:
+                self.index.pop(bad, None)
+                self._failed.add(bad)
         if loading.aborted:
             self.kv.release(loading.req)
             return None
@@ -242,7 +300,8 @@ class DiskTier(KVConnector):
     # ------------------------------------------------------------------ every step
 
     def has_plan(self) -> bool:
-        return bool(self._saves or self._saves_now or self._loads or self._deletes)
+        return bool(self._saves or self._saves_now or self._loads or self._deletes
+                    or self._window_saves)
 
     def plan_entry(self) -> DiskTierWork | None:
         self._found = []
@@ -253,8 +312,11 @@ class DiskTier(KVConnector):
             save_digests=b"".join(d for _, d in self._saves),
             saves_now=pack_ids([b for b, _ in self._saves_now]),
             save_now_digests=b"".join(d for _, d in self._saves_now),
-            loads=self._loads, deletes=b"".join(self._deletes))
+            loads=self._loads, deletes=b"".join(self._deletes),
+            window_saves=[WindowSave(name, pack_ids(snap.blocks))
+                          for name, snap in self._window_saves])
         self._saves, self._saves_now, self._loads, self._deletes = [], [], [], []
+        self._window_saves = []
         return entry
 
     def fill_stats(self, stats: SchedulerStats) -> None:

@@ -296,3 +296,21 @@ def test_the_disk_tier_reports_its_blocks_as_kv_events_on_the_disk_medium(tmp_pa
     assert len(removed) == 1  # a size of three: the oldest went
     assert {external_hash(d) for d in disk(sched).index} == (
         {e[1][0] for e in stored} - set(removed))
+
+
+def test_a_snapshot_is_saved_after_the_forward_unless_dropped_before_its_plan(tmp_path):
+    from deepinfer.engine.kvcache.block_hash import chain, snapshot_digest
+    from deepinfer.engine.kvcache.radix_cache import Snapshot
+
+    sched, _ = make(tmp_path)
+    tier = disk(sched)
+    tier.on_stored(None, list(range(8)), [3, 5])
+    kept, dropped = Snapshot(0, [7, 8]), Snapshot(1, [9])
+    tier.on_snapshot(5, kept)
+    tier.on_snapshot(3, dropped)
+    tier.on_snapshot_drop(dropped)  # its blocks may be reused by this plan: not saved
+    entry = tier.plan_entry()
+    name = snapshot_digest(chain(list(range(8)), BS, ID)[1])
+    assert [(w.digest, list(unpack_ids(w.blocks))) for w in entry.window_saves] == [
+        (name, [7, 8])]
+    assert name in tier.index and len(tier.index) == 3
