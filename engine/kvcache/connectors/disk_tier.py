@@ -196,16 +196,9 @@ class DiskTier(KVConnector):
         digests = chain(tokens[: end // bs * bs], bs, self.settings.identity)
         found = []
         for digest in digests[start // bs:]:
-            if digest in self.index:
-                self.index.move_to_end(digest)
-            elif digest not in self._failed and block_path(self.folder, digest).exists():
-                # another server wrote it
-                self.index[digest] = None
-            else:
+            if not self._on_disk(digest):
                 break
-            self._pinned.add(digest)
-            self._found.append(digest)
-            found.append(len(self._found) - 1)
+            found.append(self._pin(digest))
         return found
 
     def plan_load(self, handle: int, device_block: int) -> None:
@@ -218,16 +211,26 @@ class DiskTier(KVConnector):
         digests = chain(tokens[:hit], bs, self.settings.identity)
         for pos in range(hit, max(start, bs) - 1, -bs):  # the deepest first
             name = snapshot_digest(digests[pos // bs - 1])
-            if name in self.index:
-                self.index.move_to_end(name)
-            elif name not in self._failed and block_path(self.folder, name).exists():
-                self.index[name] = None
-            else:
-                continue
-            self._pinned.add(name)
-            self._found.append(name)
-            return pos, len(self._found) - 1
+            if self._on_disk(name):
+                return pos, self._pin(name)
         return None
+
+    def _on_disk(self, name: bytes) -> bool:
+        """Whether the block (or snapshot) is on disk, as far as this server knows; a file
+        another server wrote is learnt here, on a lookup that misses the index."""
+        if name in self.index:
+            self.index.move_to_end(name)
+            return True
+        if name not in self._failed and block_path(self.folder, name).exists():
+            self.index[name] = None
+            return True
+        return False
+
+    def _pin(self, name: bytes) -> int:
+        """A handle for the plan being built; not deleted until its load reports."""
+        self._pinned.add(name)
+        self._found.append(name)
+        return len(self._found) - 1
 
     def plan_snapshot_load(self, handle: int, sliding_blocks: list[int]) -> None:
         self._planned_window = (self._found[handle], list(sliding_blocks))
@@ -304,7 +307,10 @@ class DiskTier(KVConnector):
                     or self._window_saves)
 
     def plan_entry(self) -> DiskTierWork | None:
+        # What lookups matched but no load took (no room) is free to go again.
         self._found = []
+        self._pinned = {name for loading in self._loading.values()
+                        for name in (*loading.digests, loading.window) if name is not None}
         if not self.has_plan():
             return None
         entry = DiskTierWork(
