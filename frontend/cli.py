@@ -1,4 +1,4 @@
-"""`deepinfer` command: `serve`, `generate`, `prepare-model`, `bench serve`.
+"""`deepinfer` command: `serve`, `generate`, `prepare-model`, `bench serve`, `bench sweep`.
 
 A problem the user can fix (no such model, a model the engine cannot run, an engine that cannot
 start) is printed as one line, `deepinfer: error: ...`, with exit code 1: no traceback.
@@ -195,6 +195,12 @@ def _prepare_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_sweep(args: argparse.Namespace) -> int:
+    from deepinfer.frontend.bench import serving as bench_serving
+
+    return bench_serving.sweep(args)
+
+
 def _bench_serve(args: argparse.Namespace) -> int:
     from deepinfer.frontend.bench import serving as bench_serving
 
@@ -317,6 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(bench_serve)
     bench_serve.set_defaults(func=_bench_serve)
+    bench_sweep = bench_sub.add_parser(
+        "sweep", help="load-test an OpenAI-compatible server at several concurrency levels: "
+                      "throughput against TTFT / ITL, one JSON and one plot")
+    from deepinfer.frontend.bench.serving import add_sweep_arguments
+
+    add_sweep_arguments(bench_sweep)
+    bench_sweep.set_defaults(func=_bench_sweep)
     return parser
 
 

@@ -19,6 +19,7 @@ class RequestResult:
     ttft: float = 0.0  # seconds
     e2e: float = 0.0
     itl: list[float] = field(default_factory=list)
+    start: float = 0.0  # time.perf_counter() when it was sent
 
 
 def payload(endpoint: str, model: str, req: BenchRequest, temperature: float,
@@ -70,8 +71,8 @@ def _usage(obj: dict[str, Any]) -> tuple[int, int]:
 
 async def send(session, url: str, body: dict[str, Any]) -> RequestResult:
     """POST a streaming request; measure TTFT, inter-token latencies and E2E latency."""
-    result = RequestResult()
     start = time.perf_counter()
+    result = RequestResult(start=start)
     last = start
     chunks = 0
     try:

@@ -1,6 +1,8 @@
 """Serving benchmark: load any OpenAI-compatible server and report latency and throughput.
 
-`deepinfer bench serve ...` and `python scripts/bench_serving.py ...` both land here.
+`deepinfer bench serve ...` and `python scripts/bench_serving.py ...` both land here;
+`deepinfer bench sweep` runs it at several concurrency levels (frontend/bench/plots.py draws
+both).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from deepinfer.frontend.bench.client import RequestResult, payload, send
 from deepinfer.frontend.bench.datasets import (
@@ -54,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput, e.g. ttft:500 tpot:100 e2el:5000")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None, help="default: bench-<timestamp>.json")
+    p.add_argument("--plot", default=None, metavar="FILE.png",
+                   help="draw TTFT and inter-token latency distributions and output over time")
     p.add_argument("--disable-tqdm", action="store_true")
 
 
@@ -135,8 +141,16 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
         "input_lens": [r.prompt_tokens for r in results],
         "output_lens": [r.output_tokens for r in results],
         "ttfts": [r.ttft for r in results], "e2els": [r.e2e for r in results],
+        "itls": [x for r in results if r.ok for x in r.itl],
+        # When each streamed chunk arrived, seconds from the start (output over time).
+        "token_times": [t for r in results if r.ok for t in _arrivals(r, start)],
     }
     return report
+
+
+def _arrivals(r: RequestResult, start: float) -> list[float]:
+    first = r.start - start + r.ttft
+    return [first, *(first + np.cumsum(r.itl)).tolist()]
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,7 +166,63 @@ def run(args: argparse.Namespace) -> int:
     path = Path(args.result_file or time.strftime("bench-%Y%m%d-%H%M%S.json"))
     path.write_text(json.dumps(report, indent=2))
     print(f"results written to {path}")
+    if args.plot:
+        from deepinfer.frontend.bench.plots import plot_run
+
+        plot_run(report, args.plot)
+        print(f"plot written to {args.plot}")
     return 0 if report["completed"] else 1
+
+
+# What a sweep keeps of each level's report (the per-request lists stay out).
+SWEEP_FIELDS = ("max_concurrency", "num_prompts", "completed", "failed", "duration_s",
+                "request_throughput", "output_throughput", "total_token_throughput",
+                "median_ttft_ms", "p90_ttft_ms", "p99_ttft_ms", "median_itl_ms", "p90_itl_ms",
+                "p99_itl_ms", "median_e2el_ms", "p99_e2el_ms")
+
+
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    add_arguments(p)
+    p.add_argument("--concurrency", default="1,2,4,8,16,32,64",
+                   help="comma-separated concurrency levels, each run with --num-prompts")
+
+
+def _levels(text: str) -> list[int]:
+    try:
+        levels = [int(c) for c in text.split(",")]
+    except ValueError:
+        levels = []
+    if not levels or min(levels) < 1:
+        raise ValueError(f"--concurrency must be positive integers such as 1,2,4, not {text!r}")
+    return levels
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """`bench serve` at each --concurrency level: one JSON of the levels and one plot."""
+    try:
+        check_args(args)
+        levels = _levels(args.concurrency)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = []
+    for level in levels:
+        args.max_concurrency = level
+        report = asyncio.run(benchmark(args))
+        rows.append({k: report[k] for k in SWEEP_FIELDS})
+        print(f"concurrency {level:>4}: {report['output_throughput']:8.1f} tok/s, TTFT p50 "
+              f"{report['median_ttft_ms']:.0f} ms p99 {report['p99_ttft_ms']:.0f} ms, ITL p50 "
+              f"{report['median_itl_ms']:.1f} ms p99 {report['p99_itl_ms']:.1f} ms", flush=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    path = Path(args.result_file or f"sweep-{stamp}.json")
+    path.write_text(json.dumps({"model": report["model"], "base_url": report["base_url"],
+                                "endpoint": args.endpoint, "levels": rows}, indent=2))
+    plot = args.plot or str(path.with_suffix(".png"))
+    from deepinfer.frontend.bench.plots import plot_sweep
+
+    plot_sweep(rows, plot, label=report["model"])
+    print(f"results written to {path}, plot to {plot}")
+    return 0 if all(r["completed"] for r in rows) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
