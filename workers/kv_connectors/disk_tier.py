@@ -46,6 +46,7 @@ log = logging.getLogger("deepinfer.worker")
 DIGEST = 32
 _PAUSE_AFTER_FAILURE = 30.0  # seconds without writes after a write failed (a full disk)
 _REPORT_EVERY = 64  # blocks written between two reports (and whenever the queue is empty)
+MAX_PENDING_BYTES = 1 << 30  # blocks waiting for the writer, at most (then saves are dropped)
 
 
 def _digests(packed: bytes) -> list[bytes]:
@@ -67,6 +68,8 @@ class DiskTierWorker(WorkerConnector):
         self.key = rank_identity(identity, rank)
         self.rank = rank
         self.pending: dict[bytes, np.ndarray] = {}  # saved, not yet on disk
+        self.pending_bytes = 0
+        self.dropped = b""  # digests not queued (too much pending): reported as failed
         self.pending_lock = threading.Lock()
         self.close_lock = threading.Lock()
         self.writes: queue.Queue = queue.Queue()
@@ -102,7 +105,13 @@ class DiskTierWorker(WorkerConnector):
 
     def _queue(self, digest: bytes, payload: np.ndarray) -> None:
         with self.pending_lock:
+            if self.pending_bytes + payload.nbytes > MAX_PENDING_BYTES:
+                # The disk cannot keep up: drop the save (the scheduler hears it failed)
+                # rather than hold ever more blocks in memory.
+                self.dropped += digest
+                return
             self.pending[digest] = payload
+            self.pending_bytes += payload.nbytes
         self.writes.put(("save", digest, None))
 
     def close(self) -> None:
@@ -146,7 +155,10 @@ class DiskTierWorker(WorkerConnector):
                     done.failed += digest
                 finally:
                     with self.pending_lock:
-                        self.pending.pop(digest, None)
+                        gone = self.pending.pop(digest, None)
+                        self.pending_bytes -= 0 if gone is None else gone.nbytes
+                        done.failed += self.dropped
+                        self.dropped = b""
             if done.blocks + len(done.failed) // DIGEST >= _REPORT_EVERY or self.writes.empty():
                 if done.blocks or done.failed:
                     report.send(encode(done))
