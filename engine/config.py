@@ -133,6 +133,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "reuse KV of shared prompt prefixes (default on)")] = True
     host_kv_cache_gb: Annotated[float, setting(
         "host-memory tier for evicted prefix-cache blocks (0: off)", at_least=0)] = 0.0
+    # Multi-LoRA (workers/lora): adapters picked per request by `model`.
+    enable_lora: Annotated[bool, setting(
+        "serve LoRA adapters on the base model (--lora-modules; default off)")] = False
+    lora_modules: Annotated[list[str] | None, setting(
+        "LoRA adapters to serve, NAME=PATH each (a PEFT adapter directory); a request picks "
+        "one by its `model`")] = None
+    max_lora_rank: Annotated[int, setting(
+        "the largest adapter rank accepted (default 16)", at_least=1)] = 16
     # The disk tier (engine/kvcache/connectors/disk_tier.py): blocks named by their chained
     # digest, so servers of the same model may share one directory.
     kv_disk_path: Annotated[str | None, setting(
@@ -346,6 +354,38 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                      "--disaggregation-mode needs the prefix cache (--enable-prefix-caching)")
             _require(self.nnodes == 1, "--disaggregation-mode runs on one node per server so "
                                        "far (not with --nnodes > 1)")
+
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-modules as {name: path} (empty without --enable-lora)."""
+        if not self.enable_lora:
+            return {}
+        out = {}
+        for item in self.lora_modules or []:
+            name, sep, path = item.partition("=")
+            _require(bool(sep and name and path), f"--lora-modules takes NAME=PATH, not {item!r}")
+            _require(name not in out, f"--lora-modules: {name!r} is given twice")
+            out[name] = path
+        return out
+
+    def check_lora(self) -> None:
+        """Raise ModelConfigError for adapters that cannot be served with these settings."""
+        adapters = self.lora_adapters()
+        if not self.enable_lora:
+            _require(not self.lora_modules, "--lora-modules needs --enable-lora")
+            return
+        for name, path in adapters.items():
+            _require(Path(path, "adapter_config.json").is_file(),
+                     f"--lora-modules {name}={path}: not a PEFT adapter directory "
+                     "(no adapter_config.json)")
+        # Not yet with LoRA (each keeps KV or weights the adapters would have to tell apart).
+        for on, what in ((self.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
+                         (self.host_kv_cache_gb > 0, "--host-kv-cache-gb"),
+                         (self.kv_disk_path is not None, "--kv-disk-path"),
+                         (self.kv_events_config is not None, "--kv-events-config"),
+                         (self.disaggregation_mode != "none", "--disaggregation-mode"),
+                         (self.speculative_method in ("draft", "mtp"),
+                          "--speculative-method draft or mtp")):
+            _require(not on, f"--enable-lora does not work with {what} yet")
 
     def check_disk_tier(self) -> None:
         """Raise ModelConfigError when --kv-disk-path cannot hold the disk tier: the directory

@@ -147,6 +147,8 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     # server to pull (the finish reports where); on a decode server, pull it from there.
     remote_decode: bool = False
     remote_prefill: KVTransferParams | None = None
+    # Multi-LoRA: the adapter this request runs with (its --lora-modules name; None: the base).
+    lora: Annotated[str, msgspec.Meta(max_length=256)] | None = None
 
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1  # tiny temperatures too (as vLLM)

@@ -29,8 +29,8 @@ def flag(name: str) -> str:
 
 @functools.cache
 def settings(cls: type) -> dict[str, tuple[type, msgspec.Meta]]:
-    """Each declared setting of `cls` by field name: its value type (bool, int, float or str;
-    None stripped) and its declaration."""
+    """Each declared setting of `cls` by field name: its value type (bool, int, float, str or
+    list[str]: a flag taking several values; None stripped) and its declaration."""
     out = {}
     for name, hint in typing.get_type_hints(cls, include_extras=True).items():
         if typing.get_origin(hint) is not Annotated:
@@ -49,7 +49,7 @@ def check_settings(obj: Any, error: type[Exception]) -> None:
     """Raise `error`, naming the flag, for a value its declaration refuses."""
     for name, (_, decl) in settings(type(obj)).items():
         value = getattr(obj, name)
-        if value is None or isinstance(value, bool):
+        if value is None or isinstance(value, (bool, list)):
             continue
         rule = decl.extra
         if rule["choices"] and value not in rule["choices"]:

@@ -11,6 +11,7 @@ import logging
 import os
 import secrets
 import sys
+import typing
 
 from deepinfer.engine import envs, model_store
 from deepinfer.engine.config import DEFAULT_MODEL_NAME, EngineConfig, ModelConfigError
@@ -36,6 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
         if kind is bool:  # a switch: --x / --no-x
             p.add_argument(flag(name), action=argparse.BooleanOptionalAction, default=None,
                            help=decl.description)
+        elif typing.get_origin(kind) is list:  # several values: --x A B
+            p.add_argument(flag(name), nargs="+", default=None, help=decl.description)
         else:  # argparse checks the choices: a typo is refused before anything starts
             p.add_argument(flag(name), type=kind, default=None, help=decl.description,
                            choices=decl.extra["choices"] or None)
@@ -65,6 +68,8 @@ def _replica_args(args: argparse.Namespace, model: str,
             continue
         if isinstance(value, bool):  # a switch
             out.append(flag(name) if value else "--no-" + flag(name)[2:])
+        elif isinstance(value, list):
+            out += [flag(name), *value]
         else:
             out += [flag(name), str(value)]
     return out

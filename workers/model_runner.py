@@ -23,6 +23,7 @@ from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
 from deepinfer.workers.loader import DTYPES, load_model
+from deepinfer.workers.lora.adapters import CURRENT, attach, lora_rows
 from deepinfer.workers.sample.prompt_logprobs import prompt_logprobs
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
 from deepinfer.workers.sample.step import NewTokens, SeqToSample, rows_of, sample_step
@@ -67,7 +68,16 @@ class ModelRunner:
         # One (K, V) pair per cache entry, in --kv-cache-dtype (auto: the model's).
         self.kv_caches = KVCache(layout.layers, self.num_blocks, self.block_size,
                                  DTYPES[config.kv_dtype()], device, self.tp)
-        self.graphs = self._decode_graphs()
+        # Multi-LoRA (workers/lora): adapters on the linears; the fused one-call decode layer
+        # and CUDA graphs know nothing of them.
+        self.lora = config.lora_adapters()
+        for name, path in self.lora.items():
+            attach(self.model, name, path, config.max_lora_rank)
+        if self.lora:
+            for module in self.model.modules():
+                if hasattr(module, "fast_layers"):
+                    module.fast_layers = None
+        self.graphs = None if self.lora else self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
         self.spec = Speculation(build_proposer(config, self.sampler))
@@ -141,6 +151,15 @@ class ModelRunner:
             self.states[new.request_id] = state
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
+        if not self.lora:
+            return self._forward(batch)
+        lora_rows(batch, self.device)
+        try:
+            return self._forward(batch)
+        finally:
+            CURRENT.rows = {}
+
+    def _forward(self, batch: StepBatch) -> torch.Tensor:
         dev = self.device  # (a no-op on the CPU)
         ids = batch.input_ids.to(dev, non_blocking=True)
         positions = batch.positions.to(dev, non_blocking=True)

@@ -22,7 +22,10 @@ numerical contract is in the README ("Prefix caching and sliding windows").
 from __future__ import annotations
 
 import time
+import zlib
 from typing import TYPE_CHECKING
+
+import numpy as np
 
 from deepinfer.engine.kv_layout import FULL, SLIDING, KVGroup
 from deepinfer.engine.kvcache.block_allocator import BlockAllocator
@@ -32,6 +35,16 @@ from deepinfer.engine.request import Request
 if TYPE_CHECKING:  # the connectors build on this module
     from deepinfer.engine.kvcache.connectors.base import KVConnector
     from deepinfer.engine.kvcache.kv_events import KVEventLog
+
+
+def cache_tokens(req: Request, tokens: np.ndarray) -> np.ndarray:
+    """The ids the prefix cache files a request's tokens under: a LoRA request's are its
+    adapter's own (ids shifted above 2^32 by a salt of its name), so two adapters, or an
+    adapter and the base model, never share KV for the same tokens."""
+    if req.params.lora is None:
+        return tokens
+    salt = (zlib.crc32(req.params.lora.encode()) & 0x7FFFFFFF) + 1  # (fits int64 shifted)
+    return np.asarray(tokens, dtype=np.int64) + (salt << 32)
 
 
 class KVManager:
@@ -204,7 +217,7 @@ class KVManager:
         if self.cache is None or req.num_computed or not reuse:
             return False
         # At least one token is computed: its logits give the next token.
-        tokens = req.tokens(0, req.num_tokens)
+        tokens = cache_tokens(req, req.tokens(0, req.num_tokens))
         match = self.cache.match(tokens, max_tokens=req.num_tokens - 1)
         self.cache.lock(match)
         req.cache_node = match.node
@@ -351,7 +364,7 @@ class KVManager:
         if self.cache is None or not req.tables[self.full]:
             return
         computed = min(req.num_computed, req.num_tokens)
-        tokens = req.tokens(0, computed)
+        tokens = cache_tokens(req, req.tokens(0, computed))
         self.cache.insert(tokens, req.tables[self.full])
         self._snapshot(req, tokens, computed // self.block_size * self.block_size)
 
@@ -371,7 +384,7 @@ class KVManager:
         if start < req.num_prompt <= end and last not in points:
             points.append(last)
         for pos in points:
-            tokens = req.prompt_ids[:pos]
+            tokens = cache_tokens(req, req.prompt_ids[:pos])
             self.cache.insert(tokens, req.tables[self.full])
             self._snapshot(req, tokens, pos)
 

@@ -72,6 +72,7 @@ def ensure_config(config: EngineConfig) -> EngineConfig:
     config.check_speculative()
     config.check_disaggregation()
     config.check_disk_tier()
+    config.check_lora()
     config.check_quantization()
     config.check_device()
     config = msgspec.structs.replace(config, model=ensure_model(config.model))

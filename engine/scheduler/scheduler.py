@@ -59,6 +59,7 @@ class SchedulerConfig:
     # None: no events.
     kv_events_identity: bytes | None = None
     disk_tier: DiskTierSettings | None = None  # --kv-disk-path (None: off)
+    lora_names: tuple[str, ...] = ()  # the LoRA adapters the workers serve
 
 
 @dataclass
@@ -118,6 +119,9 @@ class Scheduler:
                 f"the prompt has {len(prompt)} tokens but at most {self.max_len - 1} fit "
                 "(context length and KV cache size)",
             )
+        lora = msg.params.lora
+        if lora is not None and lora not in self.config.lora_names:
+            return self._reject(msg.request_id, f"no LoRA adapter {lora!r} is loaded")
         for connector in self.connectors:
             why = connector.check(prompt, msg.params)
             if why is not None:

@@ -68,6 +68,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         vocab_size=model.vocab_size,
         kv_events_identity=kv_block_identity(cfg) if cfg.kv_events() is not None else None,
         disk_tier=disk_tier_settings(cfg),
+        lora_names=tuple(cfg.lora_adapters()),
     ))
 
 

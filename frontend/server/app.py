@@ -76,9 +76,11 @@ def _route(state: ServerState, name: str, handler: Handler,
 
 
 async def _models(state: ServerState, request: Request) -> Response:
-    card = ModelCard(state.model_name, state.created, max_model_len=state.context_len,
-                     root=state.model_name)
-    return Response(msgspec.json.encode(ModelList([card])), media_type="application/json")
+    cards = [ModelCard(state.model_name, state.created, max_model_len=state.context_len,
+                       root=state.model_name)]
+    cards += [ModelCard(name, state.created, max_model_len=state.context_len, root=path,
+                        parent=state.model_name) for name, path in state.lora_adapters.items()]
+    return Response(msgspec.json.encode(ModelList(cards)), media_type="application/json")
 
 
 async def _health(state: ServerState, request: Request) -> Response:

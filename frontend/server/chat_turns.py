@@ -168,7 +168,7 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
     """Validate `req`, admit its engine requests and wait for their first outputs.
     `count_only`: only tokenize (the run's usage has the prompt's length; it generates
     nothing)."""
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     tools = parse_tools(req.tools, req.tool_choice, req.parallel_tool_calls)
     tool_schema = tools.grammar_schema() if tools is not None else None
     tool_grammar = None if tool_schema is None else GrammarSpec(
@@ -179,7 +179,7 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
             REASONING_PARSERS[state.reasoning_parser].thinks(thinking_on(kwargs)):
         # The answer follows the grammar, the reasoning before it does not (as in vLLM).
         grammar = msgspec.structs.replace(grammar, after=REASONING_END)
-    params = chat_params(req, state.context_len, grammar)
+    params = msgspec.structs.replace(chat_params(req, state.context_len, grammar), lora=lora)
     if tools is not None and tools.mode == "auto" and state.tool_call_format.special_markers:
         # The call markers are special tokens (Mistral's [TOOL_CALLS]): the parser must see them.
         params = msgspec.structs.replace(params, skip_special_tokens=False)

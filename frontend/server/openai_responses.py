@@ -176,6 +176,7 @@ class ModelCard(msgspec.Struct):
     owned_by: str = "deepinfer"
     max_model_len: int | None = None
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model (vLLM's field)
     object: str = "model"
 
 

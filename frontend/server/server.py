@@ -115,6 +115,7 @@ def serve(
                         max_buffered_outputs=max_buffered_outputs,
                         reasoning_parser=reasoning_parser,
                         responses_store_size=config.responses_store_size,
+                        lora_adapters=config.lora_adapters(),
                         tool_call_parser=tool_call_parser or format_for_template(
                             read_chat_template(config.resolved_model_dir())))
     exit_code = 0

@@ -54,9 +54,10 @@ def _engine_requests(
 
 async def create_completion(state: ServerState, request: Request) -> Response | SSEResponse:
     req = await read_json(request, decode_completion)
-    state.check_model(req.model)
+    lora = state.check_model(req.model)
     params = completion_params(req, state.context_len,
                                grammar_spec(req, state.grammar_max_bytes))
+    params = msgspec.structs.replace(params, lora=lora)
     prompts = completion_prompts(req)
     n = req.n or 1
     params = apply_kv_transfer(request, req.kv_transfer_params, params, state,

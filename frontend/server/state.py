@@ -34,7 +34,8 @@ class ServerState:
     def __init__(self, max_pending: int, model_aliases: tuple[str, ...] = (),
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
                  max_buffered_outputs: int = 4096, reasoning_parser: str | None = None,
-                 tool_call_parser: str = "hermes", responses_store_size: int = 1000) -> None:
+                 tool_call_parser: str = "hermes", responses_store_size: int = 1000,
+                 lora_adapters: dict[str, str] | None = None) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.draining = False  # shutting down: requests in flight finish, new ones get 503
@@ -42,6 +43,7 @@ class ServerState:
         self.max_pending = max_pending
         self.pending = 0  # engine requests admitted and not yet finished
         self.model_aliases = model_aliases
+        self.lora_adapters = lora_adapters or {}  # --lora-modules: name -> path
         self.grammar_max_bytes = grammar_max_bytes  # longest schema/regex/grammar text accepted
         # A stream whose client reads slower than the engine writes buffers its outputs here;
         # past this many the request is aborted rather than the server's memory grown.
@@ -75,11 +77,16 @@ class ServerState:
     def context_len(self) -> int:
         return self.client.context_len if self.client is not None else 0
 
-    def check_model(self, name: str | None) -> None:
+    def check_model(self, name: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for a model
+        this server does not serve."""
         if name is None or name == self.model_name or name in self.model_aliases:
-            return
+            return None
+        if name in self.lora_adapters:
+            return name
+        served = ", ".join(repr(n) for n in (self.model_name, *self.lora_adapters))
         raise APIError(
-            f"the model {name!r} does not exist; this server serves {self.model_name!r}",
+            f"the model {name!r} does not exist; this server serves {served}",
             status=404,
             param="model",
             code="model_not_found",

@@ -5,6 +5,7 @@ value its declaration refuses is refused on construction, naming the flag."""
 from __future__ import annotations
 
 import argparse
+import typing
 
 import msgspec
 import pytest
@@ -24,6 +25,8 @@ def _example(kind: type, decl: msgspec.Meta):
     """A value this setting accepts other than its default."""
     if decl.extra["choices"]:
         return decl.extra["choices"][-1]
+    if typing.get_origin(kind) is list:
+        return ["x=1", "y=2"]
     return {bool: True, int: 7, float: 2.5, str: "x"}[kind]
 
 
@@ -37,6 +40,8 @@ def test_every_setting_is_a_flag_with_its_declared_help_and_choices(command):
         assert action.help == decl.description and action.default is None
         if kind is bool:
             assert "--no-" + flag(name)[2:] in actions
+        elif typing.get_origin(kind) is list:  # several values after one flag
+            assert action.nargs == "+"
         else:
             assert action.type is kind
             assert tuple(action.choices or ()) == decl.extra["choices"]
@@ -46,7 +51,8 @@ def test_each_flag_reaches_the_config_field_of_its_name():
     argv, expected = ["serve"], {}
     for name, (kind, decl) in settings(EngineConfig).items():
         value = _example(kind, decl)
-        argv += [flag(name)] if value is True else [flag(name), str(value)]
+        argv += ([flag(name)] if value is True else [flag(name), *value]
+                 if isinstance(value, list) else [flag(name), str(value)])
         expected[name] = value
     assert cli.engine_kwargs(cli.build_parser().parse_args(argv)) == expected
     switches = cli.build_parser().parse_args(["serve", "--no-enable-prefix-caching"])

@@ -1,0 +1,146 @@
+"""Multi-LoRA through the real processes against HF transformers with the adapter applied by
+PEFT: each request of one mixed batch (the base model and two adapters) gets its own adapter's
+greedy tokens and logprobs; the prefix cache keeps adapters apart; bad adapters are refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.config import EngineConfig, ModelConfigError
+from scripts.tiny_models import save_tiny_model
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+
+
+def make_adapter(base, out, seed: int, rank: int, targets: list[str], rslora: bool = False):
+    """A PEFT LoRA adapter of `base` with random, non-zero A and B (a trained one's shape)."""
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
+                             use_rslora=rslora, lora_dropout=0.0, init_lora_weights=False)
+    peft_model = peft.get_peft_model(model, config)
+    with torch.no_grad():  # large enough to change greedy choices
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn_like(p) * 0.5)
+    peft_model.save_pretrained(out)
+    return out
+
+
+def peft_greedy(base, adapter, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    import peft
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    model.eval()
+    tokens, logprobs = list(prompt), []
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(torch.tensor([tokens])).logits[0, -1].float()
+            best = int(logits.argmax())
+            logprobs.append(float(torch.log_softmax(logits, -1)[best]))
+            tokens.append(best)
+    return tokens[len(prompt):], logprobs
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = save_tiny_model(root / "base")
+    a = make_adapter(base, root / "a", 1, 8, ALL)
+    b = make_adapter(base, root / "b", 2, 4, ["q_proj", "v_proj", "down_proj"], rslora=True)
+    return base, {"a": a, "b": b}
+
+
+def test_a_mixed_batch_gives_each_request_its_adapters_output(setup):
+    base, adapters = setup
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (9, 23, 14, 30)]
+    loras = [None, "a", "b", "a"]
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+             lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert outs[1].token_ids != outs[0].token_ids  # the adapters really change the output
+
+
+def test_the_prefix_cache_keeps_adapters_apart(setup):
+    base, adapters = setup
+    prompt = np.random.default_rng(1).integers(3, 40000, 40).tolist()
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+             lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        first = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+        other = llm.generate([prompt], SamplingParams(lora="b", **GREEDY))[0]
+        again = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+    assert first.cached_tokens == 0 and other.cached_tokens == 0  # b never reads a's KV
+    assert again.cached_tokens == 36 and again.token_ids == first.token_ids
+    assert other.token_ids == peft_greedy(base, adapters["b"], prompt, 12)[0]
+
+
+def test_an_unknown_adapter_is_refused(setup):
+    base, adapters = setup
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+             lora_modules=[f"a={adapters['a']}"]) as llm:
+        with pytest.raises(Exception, match="no LoRA adapter 'zzz'"):
+            llm.generate([[5, 6, 7]], SamplingParams(lora="zzz", **GREEDY))
+
+
+def test_bad_adapters_are_refused_at_start_naming_the_problem(setup, tmp_path):
+    base, adapters = setup
+    big = make_adapter(base, tmp_path / "big", 3, 32, ["q_proj"])
+    other_base = save_tiny_model(tmp_path / "wide", hidden_size=96)
+    foreign = make_adapter(other_base, tmp_path / "foreign", 4, 4, ["q_proj"])
+    cases = [([f"x={tmp_path / 'nowhere'}"], "not a PEFT adapter"),
+             ([f"x={big}"], "rank 32 is above --max-lora-rank 16"),
+             ([f"x={foreign}"], "another base model"),
+             (["x"], "NAME=PATH")]
+    for modules, message in cases:
+        with pytest.raises((ModelConfigError, Exception), match=message):
+            with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+                     lora_modules=modules) as llm:
+                llm.generate([[5, 6]], SamplingParams(**GREEDY))
+    with pytest.raises(ModelConfigError, match="--enable-lora"):
+        EngineConfig(model=str(base), lora_modules=[f"a={adapters['a']}"]).check_lora()
+
+
+def test_the_server_picks_the_adapter_by_model_and_lists_it(setup):
+    import httpx
+    from transformers import AutoTokenizer
+
+    from scripts.server_process import ServerProcess
+
+    base, adapters = setup
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    prompt = np.random.default_rng(2).integers(3, 40000, 17).tolist()
+    server = ServerProcess(base, "--served-model-name", "tiny", "--num-kv-blocks", "64",
+                           "--enable-lora", "--lora-modules",
+                           *[f"{k}={v}" for k, v in adapters.items()])
+    try:
+        models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+        assert [(m["id"], m["parent"]) for m in models] == [
+            ("tiny", None), ("a", "tiny"), ("b", "tiny")]
+        for name in ("tiny", "a", "b"):
+            r = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
+                "model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            expected = peft_greedy(base, adapters.get(name), prompt, 12)[0]
+            assert r.json()["choices"][0]["text"] == tokenizer.decode(expected)
+        r = httpx.post(f"{server.base_url}/v1/completions", json={
+            "model": "c", "prompt": "x", "max_tokens": 1})
+        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    finally:
+        server.stop()
+
