@@ -104,6 +104,7 @@ class SchedulerLoop:
         events = ctx.config.kv_events()
         self.dp_rank = ctx.config.data_parallel_rank
         self.publisher = ZmqEventPublisher(events) if events is not None else None
+        self.planning = self.stop_requested = False  # (SIGTERM: see stop)
         self._publish_events()  # AllBlocksCleared: routers forget what a restart lost
 
     def run(self) -> None:
@@ -121,10 +122,16 @@ class SchedulerLoop:
                 self._finish_step(in_flight)
                 in_flight = None
             t0 = time.perf_counter()
+            # A SIGTERM meanwhile waits until the plan is out: what its connector entries took
+            # (the disk tier's saves) must reach the ranks.
+            self.planning = True
             step = self.scheduler.schedule()
             self.stats.schedule_seconds += time.perf_counter() - t0
             if step is not None:
                 self._send_workers(step.plan)
+            self.planning = False
+            if self.stop_requested:
+                self.stop()
             if in_flight is None and step is None and self.scheduler.has_work():
                 # Nothing fits and nothing runs: only a new message (or a held prompt's KV
                 # timing out) can change that.
@@ -136,6 +143,20 @@ class SchedulerLoop:
                 step = None
             in_flight = step
             self._publish_events()
+
+    def stop(self) -> None:
+        """SIGTERM: the connectors' last work, then every rank told to exit (ranks on other
+        hosts are not the launcher's to stop), then the last KV events; exits."""
+        for sock in self.to_workers:
+            sock.setsockopt(zmq.LINGER, 1000)
+        last = self.scheduler.connector_plan()  # e.g. blocks the disk tier has yet to save
+        if last is not None:
+            self._send_workers(last.plan)
+        self._send_workers(Shutdown())
+        if self.publisher is not None:  # what the last steps changed still reaches routers
+            self._publish_events()
+            self.publisher.close(timeout=0.5)
+        raise SystemExit(0)
 
     def _publish_events(self) -> None:
         """Hand this iteration's KV events to the publisher's thread (nothing to send: no-op)."""
@@ -241,19 +262,12 @@ class SchedulerLoop:
 def main(ctx: ChildContext) -> None:
     loop = SchedulerLoop(ctx)
 
-    def stop(signum, frame) -> None:
-        # Ranks on other hosts are not the launcher's to stop: tell every rank to exit.
-        for sock in loop.to_workers:
-            sock.setsockopt(zmq.LINGER, 1000)
-        last = loop.scheduler.connector_plan()  # e.g. blocks the disk tier has yet to save
-        if last is not None:
-            loop._send_workers(last.plan)
-        loop._send_workers(Shutdown())
-        if loop.publisher is not None:  # what the last steps changed still reaches routers
-            loop._publish_events()
-            loop.publisher.close(timeout=0.5)
-        raise SystemExit(0)
+    def on_sigterm(signum, frame) -> None:
+        if loop.planning:  # a plan is being built: it goes out first (it may hold saves)
+            loop.stop_requested = True
+        else:
+            loop.stop()
 
-    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGTERM, on_sigterm)
     ctx.ready(num_kv_blocks=str(loop.scheduler.allocator.num_blocks))
     loop.run()
