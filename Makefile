@@ -9,7 +9,7 @@ MODEL ?= default
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 
-.PHONY: install model serve test test-slow lint bench-peers bench-spec clean
+.PHONY: install model browser serve test test-slow lint bench-peers bench-spec clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +38,15 @@ install: $(VENV)/.installed
 model: $(VENV)/.installed
 	$(VENV)/bin/deepinfer prepare-model
 
+# Headless Chromium and its WebDriver for the browser-page tests (Debian's packages), installed
+# when missing; without apt (or root) the tests say how to get them and are skipped (not on CI).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || { \
+	  SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	  $$SUDO apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+	  $$SUDO apt-get install -y -q --no-install-recommends chromium chromium-driver \
+	  || echo "make browser: could not install chromium and chromium-driver"; }
+
 serve: model
 	$(VENV)/bin/deepinfer serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
@@ -52,7 +61,7 @@ lint: $(VENV)/.installed-test
 	cp -r engine frontend workers kernels $(IMPORT_TREE)/deepinfer/
 	cd $(IMPORT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
 
-test: $(VENV)/.installed-test model lint
+test: $(VENV)/.installed-test model browser lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
 
 # The long tests (e.g. build the wheel, install it into a fresh venv, serve from there).

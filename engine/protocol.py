@@ -344,11 +344,14 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     num_preemptions: Annotated[int, stat("requests preempted", COUNTER,
                                          "deepinfer_num_preemptions")] = 0
     num_steps: Annotated[int, stat("scheduler steps", COUNTER, "deepinfer_engine_steps")] = 0
-    # The server counts finished requests' tokens itself (deepinfer_prompt_tokens, ...).
-    prompt_tokens_total: Annotated[int, stat("prompt tokens computed", COUNTER,
+    # Counted as each step computes them (the server's deepinfer_prompt_tokens and
+    # deepinfer_generation_tokens count finished requests): live rates for dashboards.
+    prompt_tokens_total: Annotated[int, stat("prompt tokens computed, as each step computes them",
+                                             COUNTER, "deepinfer_engine_prompt_tokens",
                                              log="prompt tok/s")] = 0
-    generation_tokens_total: Annotated[int, stat("tokens generated", COUNTER,
-                                                 log="gen tok/s")] = 0
+    generation_tokens_total: Annotated[int, stat(
+        "tokens generated, as each step generates them", COUNTER,
+        "deepinfer_engine_generation_tokens", log="gen tok/s")] = 0
     # Cumulative seconds per phase of a step (engine overhead = everything but forward).
     schedule_seconds: Annotated[float, stat(
         "scheduler: picking the batch, building the plan", PHASE, PHASE_METRIC,

@@ -113,7 +113,8 @@ def _serve(args: argparse.Namespace) -> int:
                                    config.worker_threads, resolve_api_key(args.api_key))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout,
-                 args.max_buffered_outputs, args.reasoning_parser, args.tool_call_parser)
+                 args.max_buffered_outputs, args.reasoning_parser, args.tool_call_parser,
+                 ui=not args.no_ui)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -235,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--enable-auto-tool-choice", action="store_true",
                        help="accepted for vLLM's scripts: tool_choice auto is always on")
     serve.add_argument("--access-log", action="store_true")
+    serve.add_argument("--no-ui", action="store_true",
+                       help="do not serve the browser page (chat and server view) at /")
     serve.add_argument("--api-key", default=None,
                        help="require `Authorization: Bearer KEY` on every /v1 route (or "
                             "`x-api-key: KEY` on /v1/messages, as Anthropic's clients send it; "

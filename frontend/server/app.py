@@ -1,4 +1,5 @@
-"""The Starlette app: OpenAI routes, health, metrics, version; the engine lives in its lifespan.
+"""The Starlette app: OpenAI routes, health, metrics, version, the browser page; the engine lives
+in its lifespan.
 
 The engine is started by `start_engine(app)`, which the server awaits before uvicorn serves (a
 start-up failure is then reported once, as the exception, before any socket is bound); when no
@@ -33,6 +34,7 @@ from deepinfer.frontend.server.serving_messages import (
 )
 from deepinfer.frontend.server.serving_responses import create_response, stored_response
 from deepinfer.frontend.server.state import EngineClient, ServerState
+from deepinfer.frontend.ui.routes import ui_routes
 
 log = logging.getLogger("deepinfer.api")
 
@@ -173,6 +175,8 @@ def build_app(
         Route("/version", _route(state, "version", _version), methods=["GET"]),
         Route("/openapi.json", _route(state, "openapi", _openapi), methods=["GET"]),
     ]
+    if state.ui:  # the browser page at / (--no-ui: none)
+        routes += ui_routes()
     app = Starlette(
         routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
     )

@@ -105,6 +105,7 @@ def serve(
     max_buffered_outputs: int = 4096,
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
+    ui: bool = True,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
@@ -115,7 +116,7 @@ def serve(
                         max_buffered_outputs=max_buffered_outputs,
                         reasoning_parser=reasoning_parser,
                         responses_store_size=config.responses_store_size,
-                        lora_adapters=config.lora_adapters(),
+                        lora_adapters=config.lora_adapters(), ui=ui,
                         tool_call_parser=tool_call_parser or format_for_template(
                             read_chat_template(config.resolved_model_dir())))
     exit_code = 0

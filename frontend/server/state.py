@@ -35,9 +35,10 @@ class ServerState:
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
                  max_buffered_outputs: int = 4096, reasoning_parser: str | None = None,
                  tool_call_parser: str = "hermes", responses_store_size: int = 1000,
-                 lora_adapters: dict[str, str] | None = None) -> None:
+                 lora_adapters: dict[str, str] | None = None, ui: bool = True) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
+        self.ui = ui  # serve the browser page at / (--no-ui: off)
         self.draining = False  # shutting down: requests in flight finish, new ones get 503
         self.metrics = Metrics(self)
         self.max_pending = max_pending

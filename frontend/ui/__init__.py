@@ -1,0 +1,1 @@
+"""The browser page the API server serves at `/`: a chat and a server view (static files)."""
