@@ -48,6 +48,7 @@ class Generation:
         self.endpoint = endpoint
         self.param = param
         self.n = len(requests)
+        self.adapters = [r.params.lora for r in requests]  # LoRA adapter per request, or None
         self.started = time.monotonic()
         self.first_token_at: float | None = None
         self.prompt_tokens = [0] * self.n
@@ -153,6 +154,12 @@ class Generation:
         m.e2e.observe(time.monotonic() - self.started)
         m.prompt_tokens.inc(sum(self.prompt_tokens))
         m.generation_tokens.inc(sum(self.completion_tokens))
+        for adapter, prompt, completion in zip(self.adapters, self.prompt_tokens,
+                                               self.completion_tokens):
+            if adapter is not None:
+                m.lora_requests.labels(adapter).inc()
+                m.lora_prompt_tokens.labels(adapter).inc(prompt)
+                m.lora_generation_tokens.labels(adapter).inc(completion)
 
     async def __aenter__(self) -> Generation:
         return self

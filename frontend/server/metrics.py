@@ -163,6 +163,19 @@ class Metrics:
             "deepinfer_e2e_request_latency_seconds", "request latency, arrival to last token",
             buckets=_LATENCY_BUCKETS, registry=r,
         )
+        # Per LoRA adapter, by its name (the base model's requests are counted above only).
+        self.lora_requests = Counter(
+            "deepinfer_lora_requests", "finished requests per LoRA adapter", ["adapter"],
+            registry=r)
+        self.lora_prompt_tokens = Counter(
+            "deepinfer_lora_prompt_tokens", "prompt tokens of finished requests per LoRA adapter",
+            ["adapter"], registry=r)
+        self.lora_generation_tokens = Counter(
+            "deepinfer_lora_generation_tokens",
+            "generated tokens of finished requests per LoRA adapter", ["adapter"], registry=r)
+        adapters = Gauge("deepinfer_lora_adapters_loaded", "LoRA adapters this server serves",
+                         registry=r)
+        adapters.set_function(lambda: len(state.lora_adapters))
         r.register(EngineStatsCollector(state))
 
     def render(self) -> tuple[bytes, str]:

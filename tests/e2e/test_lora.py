@@ -141,6 +141,15 @@ def test_the_server_picks_the_adapter_by_model_and_lists_it(setup):
         r = httpx.post(f"{server.base_url}/v1/completions", json={
             "model": "c", "prompt": "x", "max_tokens": 1})
         assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+        # Per adapter: one request each, its 17 prompt and 12 generated tokens.
+        metrics = httpx.get(f"{server.base_url}/metrics").text
+        assert "deepinfer_lora_adapters_loaded 2.0" in metrics
+        for name in ("a", "b"):
+            for metric, value in (("requests", 1), ("prompt_tokens", 17),
+                                  ("generation_tokens", 12)):
+                line = f'deepinfer_lora_{metric}_total{{adapter="{name}"}} {float(value)}'
+                assert line in metrics, line
+        assert 'adapter="tiny"' not in metrics  # the base model is not an adapter
     finally:
         server.stop()
 
