@@ -141,6 +141,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "one by its `model`")] = None
     max_lora_rank: Annotated[int, setting(
         "the largest adapter rank accepted (default 16)", at_least=1)] = 16
+    max_loras: Annotated[int | None, setting(
+        "adapters one batch may use; requests of another adapter wait (default: all)",
+        at_least=1)] = None
+    max_cpu_loras: Annotated[int | None, setting(
+        "adapters kept loaded in the workers' memory, the least recently used unloaded beyond "
+        "(reloaded from their path when asked for again; default: all; at least --max-loras)",
+        at_least=1)] = None
     # The disk tier (engine/kvcache/connectors/disk_tier.py): blocks named by their chained
     # digest, so servers of the same model may share one directory.
     kv_disk_path: Annotated[str | None, setting(
@@ -377,6 +384,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             _require(Path(path, "adapter_config.json").is_file(),
                      f"--lora-modules {name}={path}: not a PEFT adapter directory "
                      "(no adapter_config.json)")
+        _require(self.max_cpu_loras is None or self.max_loras is not None
+                 and self.max_loras <= self.max_cpu_loras,
+                 "--max-cpu-loras needs --max-loras at most as large (a batch's adapters must "
+                 "all be loaded)")
         # Not yet with LoRA (each keeps KV or weights the adapters would have to tell apart).
         for on, what in ((self.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
                          (self.host_kv_cache_gb > 0, "--host-kv-cache-gb"),

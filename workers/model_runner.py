@@ -23,7 +23,8 @@ from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
 from deepinfer.workers.loader import DTYPES, load_model
-from deepinfer.workers.lora.adapters import CURRENT, attach, lora_rows
+from deepinfer.workers.lora.adapters import CURRENT, lora_rows
+from deepinfer.workers.lora.resident import ResidentAdapters
 from deepinfer.workers.sample.prompt_logprobs import prompt_logprobs
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
 from deepinfer.workers.sample.step import NewTokens, SeqToSample, rows_of, sample_step
@@ -70,14 +71,14 @@ class ModelRunner:
                                  DTYPES[config.kv_dtype()], device, self.tp)
         # Multi-LoRA (workers/lora): adapters on the linears; the fused one-call decode layer
         # and CUDA graphs know nothing of them.
-        self.lora = config.lora_adapters()
-        for name, path in self.lora.items():
-            attach(self.model, name, path, config.max_lora_rank)
-        if self.lora:
+        adapters = config.lora_adapters()
+        self.lora = ResidentAdapters(self.model, adapters, config.max_lora_rank,
+                                     config.max_cpu_loras) if adapters else None
+        if self.lora is not None:
             for module in self.model.modules():
                 if hasattr(module, "fast_layers"):
                     module.fast_layers = None
-        self.graphs = None if self.lora else self._decode_graphs()
+        self.graphs = None if self.lora is not None else self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
         self.spec = Speculation(build_proposer(config, self.sampler))
@@ -151,9 +152,10 @@ class ModelRunner:
             self.states[new.request_id] = state
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
-        if not self.lora:
+        if self.lora is None:
             return self._forward(batch)
         lora_rows(batch, self.device)
+        self.lora.use(CURRENT.rows)
         try:
             return self._forward(batch)
         finally:

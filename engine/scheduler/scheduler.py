@@ -60,6 +60,7 @@ class SchedulerConfig:
     kv_events_identity: bytes | None = None
     disk_tier: DiskTierSettings | None = None  # --kv-disk-path (None: off)
     lora_names: tuple[str, ...] = ()  # the LoRA adapters the workers serve
+    max_loras: int | None = None  # adapters one batch may use (None: any number)
 
 
 @dataclass
@@ -299,10 +300,18 @@ class Scheduler:
         #    (not in a step that had to preempt: that would only thrash).
         admit = self.num_preemptions == preemptions_before
         max_seqs = self.config.max_num_seqs
+        adapters = self._running_adapters()
+        passed_over: list[Request] = []  # of an adapter the batch has no room for: wait
         while admit and self.waiting and budget > 0 and len(self.running) < max_seqs:
             req = self.waiting[0]
             if req.num_pending:
                 break  # preempted with a token in flight: recompute once it is known
+            lora = req.params.lora
+            if adapters is not None and lora is not None and lora not in adapters:
+                if len(adapters) >= self.config.max_loras:
+                    passed_over.append(self.waiting.popleft())
+                    continue
+                adapters.add(lora)
             outside = self._admit_from_connector(req)
             if outside is False:
                 break
@@ -332,9 +341,16 @@ class Scheduler:
             self.running.append(req)
             chosen.append((req, n, 0))
             budget -= n
+        self.waiting.extendleft(reversed(passed_over))  # in their order, first in line
         if not chosen and not self.has_connector_work():
             return None
         return self._build_plan(chosen)
+
+    def _running_adapters(self) -> set[str] | None:
+        """The LoRA adapters the running requests use (None: no --max-loras to keep)."""
+        if self.config.max_loras is None:
+            return None
+        return {r.params.lora for r in self.running if r.params.lora is not None}
 
     def _admit_from_connector(self, req: Request) -> bool | None:
         """A connector's admission of a request whose KV comes from outside (see

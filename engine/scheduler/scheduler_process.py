@@ -69,6 +69,7 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         kv_events_identity=kv_block_identity(cfg) if cfg.kv_events() is not None else None,
         disk_tier=disk_tier_settings(cfg),
         lora_names=tuple(cfg.lora_adapters()),
+        max_loras=cfg.max_loras if cfg.enable_lora else None,
     ))
 
 

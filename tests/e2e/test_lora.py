@@ -61,13 +61,16 @@ def setup(tmp_path_factory):
     return base, {"a": a, "b": b}
 
 
-def test_a_mixed_batch_gives_each_request_its_adapters_output(setup):
+@pytest.mark.parametrize("limits", [{}, {"max_loras": 1, "max_cpu_loras": 1}],
+                         ids=["all_loaded", "one_at_a_time"])
+def test_a_mixed_batch_gives_each_request_its_adapters_output(setup, limits):
+    """one_at_a_time: b waits for a's requests, then is read back in place of a."""
     base, adapters = setup
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, 40000, n).tolist() for n in (9, 23, 14, 30)]
     loras = [None, "a", "b", "a"]
     with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
-             lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+             lora_modules=[f"{k}={v}" for k, v in adapters.items()], **limits) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
     for prompt, lora, out in zip(prompts, loras, outs):
         tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
@@ -113,6 +116,9 @@ def test_bad_adapters_are_refused_at_start_naming_the_problem(setup, tmp_path):
                 llm.generate([[5, 6]], SamplingParams(**GREEDY))
     with pytest.raises(ModelConfigError, match="--enable-lora"):
         EngineConfig(model=str(base), lora_modules=[f"a={adapters['a']}"]).check_lora()
+    for limits in ({"max_cpu_loras": 1}, {"max_cpu_loras": 1, "max_loras": 2}):
+        with pytest.raises(ModelConfigError, match="--max-cpu-loras needs --max-loras"):
+            EngineConfig(model=str(base), enable_lora=True, **limits).check_lora()
 
 
 def test_the_server_picks_the_adapter_by_model_and_lists_it(setup):

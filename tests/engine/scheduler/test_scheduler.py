@@ -160,3 +160,20 @@ def test_overlap_drops_the_token_after_eos():
     assert d1[0].finish_reason == FinishReason.STOP
     assert s.update(step2, StepResult(step2.plan.step_id, pack_ids([9]))) == []
     assert s.allocator.num_free == 64
+
+
+def test_max_loras_bounds_the_adapters_of_a_batch_without_blocking_others():
+    from dataclasses import replace
+
+    s = make(budget=100, chunk=100)
+    s.config = replace(s.config, lora_names=("a", "b"), max_loras=1)
+    add(s, "a1", 3, max_tokens=2, lora="a")
+    add(s, "b1", 3, max_tokens=2, lora="b")  # another adapter: no room while a1 runs
+    add(s, "base", 3, max_tokens=2)  # the base model takes no adapter slot
+    add(s, "a2", 3, max_tokens=2, lora="a")
+    step, _ = run_step(s)
+    assert [seq.request_id for _, seq in step.scheduled] == ["a1", "base", "a2"]
+    assert [r.request_id for r in s.waiting] == ["b1"]  # still first in line
+    run_step(s)  # a1, a2 and base generate their last token
+    step, _ = run_step(s)
+    assert [seq.request_id for _, seq in step.scheduled] == ["b1"]

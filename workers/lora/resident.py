@@ -1,0 +1,44 @@
+"""Which LoRA adapters are attached to the model: at most --max-cpu-loras, the least recently
+used detached first; one asked for again is read back from its path (the scheduler's
+--max-loras keeps a step's adapters within that number)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterable
+
+from torch import nn
+
+from deepinfer.workers.lora.adapters import attach, detach
+
+log = logging.getLogger("deepinfer.lora")
+
+
+class ResidentAdapters:
+    def __init__(self, model: nn.Module, paths: dict[str, str], max_rank: int,
+                 capacity: int | None = None) -> None:
+        self.model, self.paths, self.max_rank = model, paths, max_rank
+        self.capacity = capacity or len(paths)
+        self.loaded: OrderedDict[str, float] = OrderedDict()  # name -> seconds its load took
+        for name in paths:  # each read and checked now: a bad adapter stops the start
+            self.use([name])
+
+    def use(self, names: Iterable[str]) -> None:
+        """Attach the adapters one step uses (most recently used now), detaching the least
+        recently used others beyond the capacity."""
+        wanted = list(names)
+        for name in wanted:
+            if name in self.loaded:
+                self.loaded.move_to_end(name)
+                continue
+            start = time.perf_counter()
+            attach(self.model, name, self.paths[name], self.max_rank)
+            self.loaded[name] = time.perf_counter() - start
+            log.info("LoRA adapter %s loaded in %.3f s", name, self.loaded[name])
+        for name in [n for n in self.loaded if n not in wanted]:
+            if len(self.loaded) <= self.capacity:
+                break
+            detach(self.model, name)
+            del self.loaded[name]
