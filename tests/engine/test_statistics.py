@@ -23,6 +23,7 @@ class _Client:
 class _State:
     def __init__(self, stats: SchedulerStats) -> None:
         self.client, self.healthy = _Client(stats), True
+        self.lora_adapters: dict[str, str] = {}
 
 
 def _distinct_stats() -> SchedulerStats:
