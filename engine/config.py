@@ -388,10 +388,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  and self.max_loras <= self.max_cpu_loras,
                  "--max-cpu-loras needs --max-loras at most as large (a batch's adapters must "
                  "all be loaded)")
-        # Not yet with LoRA (each keeps KV or weights the adapters would have to tell apart).
+        # Not yet with LoRA (each keeps KV or weights the adapters would have to tell apart;
+        # the host and disk tiers name blocks by digests that include the adapter).
         for on, what in ((self.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
-                         (self.host_kv_cache_gb > 0, "--host-kv-cache-gb"),
-                         (self.kv_disk_path is not None, "--kv-disk-path"),
                          (self.kv_events_config is not None, "--kv-events-config"),
                          (self.disaggregation_mode != "none", "--disaggregation-mode"),
                          (self.speculative_method in ("draft", "mtp"),

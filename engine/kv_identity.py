@@ -50,6 +50,16 @@ def model_fingerprint(model_dir: str) -> str:
     return h.hexdigest()
 
 
+def adapter_salt(name: str, path: str) -> int:
+    """A LoRA adapter's salt in the prefix cache's ids (kv_manager.cache_tokens), from its name
+    and its files' content: the same name over other weights (after a restart, in a shared
+    disk tier) is another adapter. Non-zero, below 2^31."""
+    h = hashlib.sha256(b"deepinfer-lora\0" + name.encode() + b"\0")
+    for file in ("adapter_config.json", "adapter_model.safetensors"):
+        h.update(Path(path, file).read_bytes())
+    return int.from_bytes(h.digest()[:4], "big") % (2**31 - 1) + 1
+
+
 def kv_block_identity(cfg: EngineConfig) -> bytes:
     """This server's key: the model (its content and architecture), dtypes, block size and
     tensor-parallel layout."""

@@ -23,7 +23,7 @@ class Request:
         "status", "finish_reason", "arrival", "hit_tokens", "cached_tokens", "max_len",
         "sent_to_workers", "num_pending", "cache_node", "window_from", "full_kv_from",
         "replayed_tokens", "spec_in_flight", "spec_misses", "spec_backoff", "window_exact",
-        "snapshot_hit", "prompt_logprobs_held", "prompt_logprobs_next",
+        "snapshot_hit", "prompt_logprobs_held", "prompt_logprobs_next", "cache_salt",
     )
 
     def __init__(
@@ -34,6 +34,7 @@ class Request:
         self.prompt_ids = prompt_ids
         self.output_ids: list[int] = []
         self.params = params
+        self.cache_salt = 0  # its LoRA adapter's salt in the prefix cache's ids (0: the base)
         self.num_computed = 0  # tokens whose KV is in the cache
         self.tables: list[list[int]] = [[] for _ in range(num_groups)]  # per KV group
         self.cache_node = None  # pinned prefix-cache path (engine.kvcache.radix_cache.RadixNode)

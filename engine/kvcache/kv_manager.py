@@ -22,7 +22,6 @@ numerical contract is in the README ("Prefix caching and sliding windows").
 from __future__ import annotations
 
 import time
-import zlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -38,13 +37,13 @@ if TYPE_CHECKING:  # the connectors build on this module
 
 
 def cache_tokens(req: Request, tokens: np.ndarray) -> np.ndarray:
-    """The ids the prefix cache files a request's tokens under: a LoRA request's are its
-    adapter's own (ids shifted above 2^32 by a salt of its name), so two adapters, or an
-    adapter and the base model, never share KV for the same tokens."""
-    if req.params.lora is None:
+    """The ids the prefix cache (and every tier, through the block digests) files a request's
+    tokens under: a LoRA request's are its adapter's own (ids shifted above 2^32 by the
+    adapter's salt, engine/kv_identity.py adapter_salt), so two adapters, or an adapter and the
+    base model, never share KV for the same tokens."""
+    if not req.cache_salt:
         return tokens
-    salt = (zlib.crc32(req.params.lora.encode()) & 0x7FFFFFFF) + 1  # (fits int64 shifted)
-    return np.asarray(tokens, dtype=np.int64) + (salt << 32)
+    return np.asarray(tokens, dtype=np.int64) + (req.cache_salt << 32)
 
 
 class KVManager:
@@ -272,7 +271,7 @@ class KVManager:
         req.hit_tokens = req.replayed_tokens = 0
         starts = [0] * len(self.groups)
         if self.cache is not None:
-            match = self.cache.match(req.prompt_ids, max_tokens=n)
+            match = self.cache.match(cache_tokens(req, req.prompt_ids), max_tokens=n)
             self.cache.lock(match)
             req.cache_node = match.node
             req.tables[self.full] = list(match.blocks)

@@ -59,7 +59,8 @@ class SchedulerConfig:
     # None: no events.
     kv_events_identity: bytes | None = None
     disk_tier: DiskTierSettings | None = None  # --kv-disk-path (None: off)
-    lora_names: tuple[str, ...] = ()  # the LoRA adapters the workers serve
+    # The LoRA adapters the workers serve, each with its salt in the prefix cache's ids.
+    lora_salts: dict[str, int] = field(default_factory=dict)
     max_loras: int | None = None  # adapters one batch may use (None: any number)
 
 
@@ -121,7 +122,7 @@ class Scheduler:
                 "(context length and KV cache size)",
             )
         lora = msg.params.lora
-        if lora is not None and lora not in self.config.lora_names:
+        if lora is not None and lora not in self.config.lora_salts:
             return self._reject(msg.request_id, f"no LoRA adapter {lora!r} is loaded")
         for connector in self.connectors:
             why = connector.check(prompt, msg.params)
@@ -129,6 +130,8 @@ class Scheduler:
                 return self._reject(msg.request_id, why)
         req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
                       len(self.config.kv_groups))
+        if lora is not None:
+            req.cache_salt = self.config.lora_salts[lora]
         self._arrivals += 1
         self.requests[req.request_id] = req
         if msg.params.grammar is not None:

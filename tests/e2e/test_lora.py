@@ -159,3 +159,51 @@ def test_the_server_picks_the_adapter_by_model_and_lists_it(setup):
     finally:
         server.stop()
 
+
+
+def test_the_host_tier_keeps_adapters_apart(setup):
+    """24 device blocks of 4 tokens: each 60-token prompt evicts the previous one's blocks to the
+    host tier; a's come back for a, never for b or the base model."""
+    base, adapters = setup
+    rng = np.random.default_rng(5)
+    prompt, other, third = (rng.integers(3, 40000, 60).tolist() for _ in range(3))
+    with LLM(str(base), num_kv_blocks=24, block_size=4, host_kv_cache_gb=0.0002,
+             enable_lora=True, lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        first = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+        llm.generate([other], SamplingParams(**GREEDY))
+        llm.generate([third], SamplingParams(**GREEDY))
+        again = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+        as_b = llm.generate([prompt], SamplingParams(lora="b", **GREEDY))[0]
+        as_base = llm.generate([prompt], SamplingParams(**GREEDY))[0]
+        stats = llm.stats()
+    assert stats.host_blocks_in >= 10 and again.cached_tokens >= 40
+    assert again.token_ids == first.token_ids
+    assert as_b.cached_tokens == 0 and as_base.cached_tokens == 0
+    assert as_b.token_ids == peft_greedy(base, adapters["b"], prompt, 12)[0]
+    assert as_base.token_ids == peft_greedy(base, None, prompt, 12)[0]
+
+
+def test_the_disk_tier_names_blocks_by_the_adapters_content(setup, tmp_path):
+    """After a restart, a's blocks are read back from disk for a; the name a over other weights
+    (b's files) is another adapter: no hit, its own output."""
+    base, adapters = setup
+    prompt = np.random.default_rng(6).integers(3, 40000, 41).tolist()
+    disk = tmp_path / "kv"
+    disk.mkdir()
+
+    def engine(path):
+        return LLM(str(base), num_kv_blocks=64, block_size=4, kv_disk_path=str(disk),
+                   enable_lora=True, lora_modules=[f"a={path}"])
+
+    with engine(adapters["a"]) as llm:
+        first = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+    with engine(adapters["a"]) as llm:
+        again = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+        base_run = llm.generate([prompt], SamplingParams(**GREEDY))[0]
+        hits = llm.stats().disk_hit_tokens
+    assert again.cached_tokens == 40 and hits == 40 and again.token_ids == first.token_ids
+    assert base_run.cached_tokens == 0  # the base model never reads a's blocks
+    with engine(adapters["b"]) as llm:
+        renamed = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
+    assert renamed.cached_tokens == 0
+    assert renamed.token_ids == peft_greedy(base, adapters["b"], prompt, 12)[0]

@@ -20,16 +20,16 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict
 
-import numpy as np
-
+from deepinfer.engine.kvcache.block_hash import token_bytes
 from deepinfer.engine.kvcache.connectors.base import KVConnector
 from deepinfer.engine.kvcache.kv_events import HOST, KVEventLog
 from deepinfer.engine.protocol import HostTierCopies, SchedulerStats, pack_ids
 
 
 def prefix_digest(tokens) -> bytes:
-    """Exact identity of a block-aligned prefix (collisions are not a practical concern)."""
-    return hashlib.blake2b(np.asarray(tokens, dtype=np.int32).tobytes(), digest_size=16).digest()
+    """Exact identity of a block-aligned prefix (collisions are not a practical concern); a
+    LoRA adapter's prefix is its own (its ids are salted)."""
+    return hashlib.blake2b(token_bytes(tokens), digest_size=16).digest()
 
 
 class HostTier(KVConnector):

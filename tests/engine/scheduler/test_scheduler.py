@@ -166,7 +166,7 @@ def test_max_loras_bounds_the_adapters_of_a_batch_without_blocking_others():
     from dataclasses import replace
 
     s = make(budget=100, chunk=100)
-    s.config = replace(s.config, lora_names=("a", "b"), max_loras=1)
+    s.config = replace(s.config, lora_salts={"a": 1, "b": 2}, max_loras=1)
     add(s, "a1", 3, max_tokens=2, lora="a")
     add(s, "b1", 3, max_tokens=2, lora="b")  # another adapter: no room while a1 runs
     add(s, "base", 3, max_tokens=2)  # the base model takes no adapter slot
