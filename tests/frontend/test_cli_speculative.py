@@ -97,7 +97,7 @@ def tiny_default(tmp_path, monkeypatch) -> Path:
 def served(monkeypatch) -> list[EngineConfig]:
     """The configs `deepinfer serve` would have started an engine with."""
     configs: list[EngineConfig] = []
-    monkeypatch.setattr(server, "serve", lambda config, *a: configs.append(config) or 0)
+    monkeypatch.setattr(server, "serve", lambda config, *a, **kw: configs.append(config) or 0)
     return configs
 
 
