@@ -222,10 +222,13 @@ def load_compared(spec: str) -> tuple[str, list[dict[str, Any]]]:
 
 def _sweep_levels(args: argparse.Namespace, levels: list[int]
                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """`bench serve` at each level: the kept fields per level, and the last full report."""
+    """`bench serve` at each level: the kept fields per level, and the last full report. Each
+    level draws its own prompts (--seed plus the level's index): a server never answers a level
+    from the KV an earlier level left (llama-server's slots keep their last prompt's)."""
     rows = []
-    for level in levels:
-        args.max_concurrency = level
+    first_seed = args.seed
+    for i, level in enumerate(levels):
+        args.max_concurrency, args.seed = level, first_seed + i
         report = asyncio.run(benchmark(args))
         rows.append({k: report[k] for k in SWEEP_FIELDS})
         print(f"concurrency {level:>4}: {report['output_throughput']:8.1f} tok/s, TTFT p50 "
