@@ -137,6 +137,26 @@ def test_stop_aborts_the_request_on_the_server(browser, plain_server):
     assert console_errors(browser) == []
 
 
+def test_the_server_view_shows_the_servers_metrics(browser, plain_server):
+    url = plain_server.base_url
+    settled = kv_settled(url)  # idle: nothing runs, every block free
+    open_page(browser, url)
+    css(browser, "#tab-server")[0].click()
+    assert not css(browser, "#server-view")[0].get_attribute("hidden")
+    wait(browser, lambda d: css(d, '.card[data-metric="kv-device"]'))
+
+    def card(name: str) -> str:
+        return css(browser, f'.card[data-metric="{name}"] .value')[0].text
+
+    total = int(settled["kv_blocks_total"])
+    assert card("running") == "0" and card("waiting") == "0"
+    assert card("kv-device") == f"0.0 % (0 of {total} blocks)"
+    hit_rate = metric(url, "deepinfer_prefix_cache_hit_rate")
+    assert card("hit-rate").startswith(f"{100 * hit_rate:.1f} % overall")
+    assert card("tok-s").endswith("tok/s")
+    assert console_errors(browser) == []
+
+
 def test_reasoning_markdown_and_script_as_text_behind_an_api_key(browser, scripted_server):
     browser.execute_script("sessionStorage.clear()")
     browser.get(scripted_server.base_url)
