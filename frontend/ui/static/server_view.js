@@ -24,6 +24,12 @@ function formatBytes(bytes) {
 
 const percent = (x) => `${(100 * x).toFixed(1)} %`;
 
+// A counter's rate between two samples (0 without two, or when no time passed).
+function rateBetween(a, b, name) {
+  if (!a || !b || b.t <= a.t) return 0;
+  return ((b.metrics.get(name) ?? 0) - (a.metrics.get(name) ?? 0)) / (b.t - a.t);
+}
+
 export class ServerView {
   constructor() {
     this.samples = [];  // {t (s), metrics}
@@ -55,8 +61,7 @@ export class ServerView {
   // The rate of a counter over the last two samples (0 before there are two).
   rate(name) {
     const [a, b] = this.samples.slice(-2);
-    if (!a || !b || b.t <= a.t) return 0;
-    return ((b.metrics.get(name) ?? 0) - (a.metrics.get(name) ?? 0)) / (b.t - a.t);
+    return rateBetween(a, b, name);
   }
 
   render() {
@@ -106,9 +111,8 @@ export class ServerView {
     ctx.clearRect(0, 0, width, height);
     const points = [];
     for (let i = 1; i < this.samples.length; i++) {
-      const a = this.samples[i - 1], b = this.samples[i];
-      const name = "deepinfer_engine_generation_tokens_total";
-      const rate = ((b.metrics.get(name) ?? 0) - (a.metrics.get(name) ?? 0)) / (b.t - a.t);
+      const b = this.samples[i];
+      const rate = rateBetween(this.samples[i - 1], b, "deepinfer_engine_generation_tokens_total");
       points.push([b.t, Math.max(0, rate)]);
     }
     const now = this.samples.at(-1).t;
