@@ -148,6 +148,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "adapters kept loaded in the workers' memory, the least recently used unloaded beyond "
         "(reloaded from their path when asked for again; default: all; at least --max-loras)",
         at_least=1)] = None
+    allow_runtime_lora_updating: Annotated[bool, setting(
+        "POST /v1/load_lora_adapter and /v1/unload_lora_adapter change the adapters while "
+        "serving (a client then names directories on this machine: keep it behind --api-key)"
+    )] = False
     # The disk tier (engine/kvcache/connectors/disk_tier.py): blocks named by their chained
     # digest, so servers of the same model may share one directory.
     kv_disk_path: Annotated[str | None, setting(
@@ -379,6 +383,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         adapters = self.lora_adapters()
         if not self.enable_lora:
             _require(not self.lora_modules, "--lora-modules needs --enable-lora")
+            _require(not self.allow_runtime_lora_updating,
+                     "--allow-runtime-lora-updating needs --enable-lora")
             return
         for name, path in adapters.items():
             _require(Path(path, "adapter_config.json").is_file(),

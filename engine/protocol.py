@@ -371,9 +371,32 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
 class OutputBatch(msgspec.Struct, tag=True, **_STRUCT):
     outputs: list[RequestOutput]
     stats: SchedulerStats | None = None
+    lora_updates: list[LoRAUpdated] = []  # answers to LoRAUpdate messages
 
 
 # ---------------------------------------------------------------- tokenizer <-> scheduler
+
+
+class LoRAUpdate(msgspec.Struct, tag=True, **_STRUCT):
+    """Load (a path given) or unload a LoRA adapter at run time (--allow-runtime-lora-updating):
+    client -> tokenizer -> scheduler -> workers. A load is answered once the workers attached it
+    (or found it unservable); an unload once no request uses the adapter any more."""
+
+    request_id: str
+    name: Annotated[str, msgspec.Meta(max_length=256)]
+    path: Annotated[str, msgspec.Meta(max_length=4096)] = ""
+    unload: bool = False
+
+
+class LoRAUpdated(msgspec.Struct, tag=True, **_STRUCT):
+    """The answer to a LoRAUpdate (worker rank 0 -> scheduler -> tokenizer -> client): error
+    names why an adapter cannot be served; seconds: how long reading and attaching it took. The
+    workers compute the salt from the files they read (the scheduler may not see them later)."""
+
+    request_id: str
+    error: str | None = None
+    seconds: float = 0.0
+    salt: int = 0  # a loaded adapter's salt in the prefix cache's ids (engine/kv_identity.py)
 
 
 class TokenizedRequest(msgspec.Struct, tag=True, **_STRUCT):
@@ -400,6 +423,7 @@ class TokenDelta(msgspec.Struct, **_STRUCT):
 class TokenBatch(msgspec.Struct, tag=True, **_STRUCT):
     deltas: list[TokenDelta]
     stats: SchedulerStats | None = None
+    lora_updates: list[LoRAUpdated] = []
 
 
 # ---------------------------------------------------------------- scheduler <-> workers
@@ -600,7 +624,8 @@ class ProcessFailed(msgspec.Struct, tag=True, **_STRUCT):
 
 
 # What each process's one inbound socket carries.
-TokenizerInbound = GenerateRequest | Abort | TokenBatch  # from the client and the scheduler
+# From the client and the scheduler.
+TokenizerInbound = GenerateRequest | Abort | LoRAUpdate | TokenBatch
 # From the tokenizer, worker rank 0 and every rank's KV-transfer thread.
 class DiskWrites(msgspec.Struct, tag=True, **_STRUCT):
     """A worker rank's disk-tier writer to its scheduler: blocks it wrote since its last report
@@ -614,7 +639,7 @@ class DiskWrites(msgspec.Struct, tag=True, **_STRUCT):
 
 
 SchedulerInbound = (TokenizedRequest | Abort | StepResult | GrammarReady | KVTransferDone
-                    | DiskWrites)
-WorkerInbound = StepPlan | CompileGrammar | Shutdown  # from the scheduler
+                    | DiskWrites | LoRAUpdate | LoRAUpdated)
+WorkerInbound = StepPlan | CompileGrammar | LoRAUpdate | Shutdown  # from the scheduler
 ControlMessage = ProcessReady | ProcessFailed  # children -> launcher
 

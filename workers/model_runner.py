@@ -16,14 +16,23 @@ from collections.abc import Callable
 import torch
 
 from deepinfer.engine.config import EngineConfig
-from deepinfer.engine.protocol import CompileGrammar, StepPlan, StepResult, pack_ids, unpack_ids
+from deepinfer.engine.kv_identity import adapter_salt
+from deepinfer.engine.protocol import (
+    CompileGrammar,
+    LoRAUpdate,
+    LoRAUpdated,
+    StepPlan,
+    StepResult,
+    pack_ids,
+    unpack_ids,
+)
 from deepinfer.workers.attention import AttentionMetadata, select_backend
 from deepinfer.workers.cuda_graphs import DecodeGraphs, capture_sizes
 from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
 from deepinfer.workers.loader import DTYPES, load_model
-from deepinfer.workers.lora.adapters import CURRENT, lora_rows
+from deepinfer.workers.lora.adapters import CURRENT, LoRAError, lora_rows
 from deepinfer.workers.lora.resident import ResidentAdapters
 from deepinfer.workers.sample.prompt_logprobs import prompt_logprobs
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
@@ -71,9 +80,8 @@ class ModelRunner:
                                  DTYPES[config.kv_dtype()], device, self.tp)
         # Multi-LoRA (workers/lora): adapters on the linears; the fused one-call decode layer
         # and CUDA graphs know nothing of them.
-        adapters = config.lora_adapters()
-        self.lora = ResidentAdapters(self.model, adapters, config.max_lora_rank,
-                                     config.max_cpu_loras) if adapters else None
+        self.lora = ResidentAdapters(self.model, config.lora_adapters(), config.max_lora_rank,
+                                     config.max_cpu_loras) if config.enable_lora else None
         if self.lora is not None:
             for module in self.model.modules():
                 if hasattr(module, "fast_layers"):
@@ -150,6 +158,27 @@ class ModelRunner:
                 if state.grammar is not None:
                     accept(state.grammar, first)
             self.states[new.request_id] = state
+
+    def update_lora(self, msg: LoRAUpdate) -> LoRAUpdated | None:
+        """Load or unload an adapter between steps (the scheduler sends an unload only once no
+        request uses it); a load is answered, with the problem when it cannot be served."""
+        if self.lora is None:
+            return LoRAUpdated(msg.request_id, "LoRA is off (start with --enable-lora)")
+        if msg.unload:
+            self.lora.remove(msg.name)
+            return None
+        try:
+            seconds = self.lora.add(msg.name, msg.path)
+        except LoRAError as exc:
+            return LoRAUpdated(msg.request_id, str(exc))
+        except Exception as exc:  # e.g. damaged files: the adapter is refused, the rank lives
+            return LoRAUpdated(msg.request_id, f"{msg.path}: cannot read the adapter ({exc})")
+        try:  # the scheduler's salt of its cache ids, from the files read here
+            return LoRAUpdated(msg.request_id, seconds=seconds,
+                               salt=adapter_salt(msg.name, msg.path))
+        except OSError as exc:  # gone meanwhile
+            self.lora.remove(msg.name)
+            return LoRAUpdated(msg.request_id, f"{msg.path}: cannot read the adapter ({exc})")
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
         if self.lora is None:

@@ -7,6 +7,7 @@ model (torch.distributed between them); only rank 0 answers the scheduler.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -16,7 +17,13 @@ import msgspec
 import torch
 
 from deepinfer.engine import envs
-from deepinfer.engine.protocol import CompileGrammar, GrammarReady, Shutdown, WorkerInbound
+from deepinfer.engine.protocol import (
+    CompileGrammar,
+    GrammarReady,
+    LoRAUpdate,
+    Shutdown,
+    WorkerInbound,
+)
 from deepinfer.engine.runtime.ipc import plan_receiver, push
 from deepinfer.engine.runtime.process_entry import ChildContext
 
@@ -61,6 +68,8 @@ def main(ctx: ChildContext) -> None:
     decode = msgspec.msgpack.Decoder(WorkerInbound).decode
     encode = msgspec.msgpack.Encoder().encode
     info = {"num_kv_blocks": str(runner.num_blocks)}
+    if runner.lora is not None:  # the adapters' load times, for the server's metric
+        info["lora_load_seconds"] = json.dumps(dict(runner.lora.loaded))
     for connector in runner.connectors:
         info |= connector.ready_info()
     log.info("rank %d ready on %s: %d KV blocks (%s), %d threads", ctx.rank, device,
@@ -80,6 +89,12 @@ def main(ctx: ChildContext) -> None:
             return
         if isinstance(msg, CompileGrammar):
             runner.compile_grammar(msg, grammar_ready)
+            continue
+        if isinstance(msg, LoRAUpdate):
+            answer = runner.update_lora(msg)
+            if answer is not None and to_scheduler is not None:
+                with send_lock:
+                    to_scheduler.send(encode(answer))
             continue
         result = runner.execute(msg)
         if to_scheduler is not None:

@@ -8,6 +8,7 @@ disconnect, cancellation) is aborted in every process.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 from collections.abc import AsyncIterator
 
@@ -20,6 +21,8 @@ from deepinfer.engine.protocol import (
     Abort,
     FinishReason,
     GenerateRequest,
+    LoRAUpdate,
+    LoRAUpdated,
     OutputBatch,
     RequestOutput,
     SchedulerStats,
@@ -42,6 +45,7 @@ class AsyncEngineClient:
         self.stats = SchedulerStats()
         self.dead_reason: str | None = None
         self._queues: dict[str, asyncio.Queue[RequestOutput]] = {}
+        self._lora_answers: dict[str, asyncio.Future[LoRAUpdated]] = {}
         self._endpoints = Endpoints.create(config.tensor_parallel_size, config.dist_address())
         self._zmq = zmq.asyncio.Context()
         self._in = self._zmq.socket(zmq.PULL)
@@ -58,6 +62,7 @@ class AsyncEngineClient:
         self.disaggregation_mode = config.disaggregation_mode
         self.worker_ranks = config.tensor_parallel_size
         self.kv_transfer_addresses: list[str] = []
+        self.lora_load_seconds: dict[str, float] = {}
         self._reader: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -74,6 +79,9 @@ class AsyncEngineClient:
         if self.disaggregation_mode == "prefill":  # one node (checked): every rank reported here
             self.kv_transfer_addresses = [self.launcher.ready_info[f"worker{r}"]["kv_transfer"]
                                           for r in range(self.worker_ranks)]
+        ready = self.launcher.ready_info.get("worker0", {})
+        # Seconds each --lora-modules adapter took to load (the server's metric).
+        self.lora_load_seconds = json.loads(ready.get("lora_load_seconds", "{}"))
         self._reader = asyncio.create_task(self._read_outputs())
 
         def failed(reason: str) -> None:
@@ -93,6 +101,9 @@ class AsyncEngineClient:
         for rid, queue in self._queues.items():
             queue.put_nowait(RequestOutput(
                 rid, finish_reason=FinishReason.ERROR, error=f"engine failed: {reason}"))
+        for rid, answer in self._lora_answers.items():
+            if not answer.done():
+                answer.set_result(LoRAUpdated(rid, f"engine failed: {reason}"))
 
     async def _read_outputs(self) -> None:
         while True:
@@ -103,6 +114,10 @@ class AsyncEngineClient:
                 queue = self._queues.get(out.request_id)
                 if queue is not None:
                     queue.put_nowait(out)
+            for answer in batch.lora_updates:
+                waiter = self._lora_answers.get(answer.request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(answer)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until one carries a finish_reason."""
@@ -126,6 +141,19 @@ class AsyncEngineClient:
             self._queues.pop(rid, None)
             if not finished:
                 await self.abort([rid])
+
+    async def update_lora(self, update: LoRAUpdate) -> LoRAUpdated:
+        """Load or unload a LoRA adapter; the engine's answer (its error names a problem). An
+        unload returns once no request uses the adapter any more."""
+        if self.dead_reason is not None:
+            raise EngineDeadError(self.dead_reason)
+        answer: asyncio.Future[LoRAUpdated] = asyncio.get_running_loop().create_future()
+        self._lora_answers[update.request_id] = answer
+        try:
+            await self._out.send(self._encode(update))
+            return await answer
+        finally:
+            del self._lora_answers[update.request_id]
 
     async def abort(self, request_ids: list[str]) -> None:
         if self.dead_reason is None:

@@ -28,6 +28,8 @@ from deepinfer.engine.protocol import (
     DiskWrites,
     GrammarReady,
     KVTransferDone,
+    LoRAUpdate,
+    LoRAUpdated,
     SchedulerInbound,
     Shutdown,
     StepResult,
@@ -36,6 +38,7 @@ from deepinfer.engine.protocol import (
 )
 from deepinfer.engine.runtime.ipc import plan_sender, pull, push
 from deepinfer.engine.runtime.process_entry import ChildContext
+from deepinfer.engine.scheduler.lora_updates import RuntimeAdapters
 from deepinfer.engine.scheduler.scheduler import ScheduledStep, Scheduler, SchedulerConfig
 from deepinfer.engine.statistics import progress_line
 
@@ -106,11 +109,13 @@ class SchedulerLoop:
         self.dp_rank = ctx.config.data_parallel_rank
         self.publisher = ZmqEventPublisher(events) if events is not None else None
         self.planning = self.stop_requested = False  # (SIGTERM: see stop)
+        self.adapters = RuntimeAdapters(self.scheduler.config.lora_salts)
         self._publish_events()  # AllBlocksCleared: routers forget what a restart lost
 
     def run(self) -> None:
         in_flight: ScheduledStep | None = None
         while True:
+            self._unload_unused_adapters()
             # Idle: nothing in flight, to run, or to tell the ranks (a new hold of a prompt's
             # KV must reach them before a decode server asks for it).
             idle = (in_flight is None and not self.scheduler.has_work()
@@ -189,7 +194,7 @@ class SchedulerLoop:
     def _handle(self, msgs: list) -> None:
         if not msgs:
             return
-        deltas = []
+        deltas, lora_answers = [], []
         for msg in msgs:
             if isinstance(msg, TokenizedRequest):
                 err = self.scheduler.add(msg)
@@ -209,8 +214,28 @@ class SchedulerLoop:
                 delta = self.scheduler.connector_report(msg)
                 if delta is not None:
                     deltas.append(delta)
+            elif isinstance(msg, LoRAUpdate):
+                to_workers, answer = self.adapters.update(msg)
+                if to_workers is not None:
+                    self._send_workers(to_workers)
+                lora_answers.append(answer)
+            elif isinstance(msg, LoRAUpdated):
+                lora_answers.append(self.adapters.loaded(msg))
         # Always report: rejections, and freed blocks after aborts, show up right away.
-        self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
+        self.to_tokenizer.send(self.encode(TokenBatch(
+            deltas, self._stats(), [a for a in lora_answers if a is not None])))
+
+    def _unload_unused_adapters(self) -> None:
+        """Send the workers each waiting unload whose adapter no request uses any more, and
+        answer its client."""
+        if not self.adapters.unloading:
+            return
+        due = self.adapters.unloads_due(r.params.lora for r in self.scheduler.requests.values())
+        for msg in due:
+            self._send_workers(msg)
+        if due:
+            self.to_tokenizer.send(self.encode(TokenBatch(
+                [], self._stats(), [LoRAUpdated(m.request_id) for m in due])))
 
     def _send_workers(self, msg) -> None:
         payload = self.encode(msg)

@@ -16,6 +16,8 @@ from deepinfer.engine.protocol import (
     Abort,
     FinishReason,
     GenerateRequest,
+    LoRAUpdate,
+    LoRAUpdated,
     OutputBatch,
     PositionLogprobs,
     RequestOutput,
@@ -200,6 +202,7 @@ def main(ctx: ChildContext) -> None:
         while inbound.poll(0):
             msgs.append(decode(inbound.recv(zmq.NOBLOCK)))
         outputs: list[RequestOutput] = []
+        lora_updates: list[LoRAUpdated] = []
         stats = None
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
@@ -211,9 +214,12 @@ def main(ctx: ChildContext) -> None:
             elif isinstance(msg, Abort):
                 service.abort(msg.request_ids)
                 to_scheduler.send(encode(msg))
+            elif isinstance(msg, LoRAUpdate):  # the scheduler's to check and answer
+                to_scheduler.send(encode(msg))
             else:
                 t0 = time.perf_counter()
                 stats = msg.stats or stats
+                lora_updates.extend(msg.lora_updates)
                 stopped = []
                 for delta in msg.deltas:
                     outs, stop_hit = service.outputs(delta)
@@ -225,5 +231,5 @@ def main(ctx: ChildContext) -> None:
                 detokenize_seconds += time.perf_counter() - t0
         if stats is not None:
             stats.detokenize_seconds = detokenize_seconds
-        if outputs or stats is not None:
-            to_client.send(encode(OutputBatch(outputs, stats)))
+        if outputs or stats is not None or lora_updates:
+            to_client.send(encode(OutputBatch(outputs, stats, lora_updates)))

@@ -23,6 +23,7 @@ from starlette.routing import Route
 from deepinfer.frontend.auth import UNAUTHORIZED, authorized
 from deepinfer.frontend.server.errors import APIError
 from deepinfer.frontend.server.http_io import SSEResponse
+from deepinfer.frontend.server.lora_routes import load_lora_adapter, unload_lora_adapter
 from deepinfer.frontend.server.openai_responses import ModelCard, ModelList
 from deepinfer.frontend.server.openapi import openapi_document
 from deepinfer.frontend.server.serving_chat import create_chat_completion
@@ -145,6 +146,8 @@ def build_app(
             raise
         state.client = client
         started.append(client)
+        for seconds in getattr(client, "lora_load_seconds", {}).values():  # --lora-modules
+            state.metrics.lora_load_seconds.observe(seconds)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -170,6 +173,10 @@ def build_app(
         Route("/v1/responses/{response_id}", _route(state, "responses", stored_response),
               methods=["GET", "DELETE"]),
         Route("/v1/models", _route(state, "models", _models), methods=["GET"]),
+        Route("/v1/load_lora_adapter", _route(state, "load_lora_adapter", load_lora_adapter),
+              methods=["POST"]),
+        Route("/v1/unload_lora_adapter",
+              _route(state, "unload_lora_adapter", unload_lora_adapter), methods=["POST"]),
         Route("/health", _route(state, "health", _health), methods=["GET"]),
         Route("/metrics", _route(state, "metrics", _metrics), methods=["GET"]),
         Route("/version", _route(state, "version", _version), methods=["GET"]),

@@ -173,6 +173,10 @@ class Metrics:
         self.lora_generation_tokens = Counter(
             "deepinfer_lora_generation_tokens",
             "generated tokens of finished requests per LoRA adapter", ["adapter"], registry=r)
+        self.lora_load_seconds = Histogram(
+            "deepinfer_lora_load_seconds",
+            "seconds a worker took to read, check and attach a LoRA adapter",
+            buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10), registry=r)
         adapters = Gauge("deepinfer_lora_adapters_loaded", "LoRA adapters this server serves",
                          registry=r)
         adapters.set_function(lambda: len(state.lora_adapters))

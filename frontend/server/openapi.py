@@ -16,6 +16,7 @@ from deepinfer.frontend.server.anthropic_schema import (
     MessagesRequest,
     TokenCount,
 )
+from deepinfer.frontend.server.lora_routes import LoadLoRARequest, UnloadLoRARequest
 from deepinfer.frontend.server.openai_responses import ChatCompletion, Completion, ModelList
 from deepinfer.frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest
 from deepinfer.frontend.server.responses_objects import ResponseDeleted, ResponseObject
@@ -107,12 +108,25 @@ def _messages_api(doc: dict[str, Any], api_key: bool) -> None:
             "type": "apiKey", "in": "header", "name": "x-api-key"}
 
 
+def _lora_update(name: str, summary: str, request: dict[str, Any]) -> dict[str, Any]:
+    """POST /v1/load_lora_adapter or /v1/unload_lora_adapter (--allow-runtime-lora-updating;
+    404 without it); a plain-text answer, as vLLM's."""
+    return {"post": {
+        "operationId": name, "summary": summary,
+        "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+        "responses": {"200": {"description": summary, "content": {
+            "text/plain": {"schema": {"type": "string"}}}}, **_errors(400, 401, 404, 503)}}}
+
+
 def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
     (chat, completion, chat_out, completion_out, models, responses_in, response, deleted), \
         schemas = msgspec.json.schema_components(
             [ChatCompletionRequest, CompletionRequest, ChatCompletion, Completion, ModelList,
              ResponsesRequest, ResponseObject, ResponseDeleted],
             ref_template=_REF)
+    (load, unload), lora_schemas = msgspec.json.schema_components(
+        [LoadLoRARequest, UnloadLoRARequest], ref_template=_REF)
+    schemas.update(lora_schemas)
     schemas["Error"] = _error_body()
     doc: dict[str, Any] = {
         "openapi": "3.1.0",
@@ -126,6 +140,10 @@ def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
             **_responses_api(responses_in, response, deleted),
             "/v1/models": _plain_get("listModels", "the served model",
                                      {"application/json": {"schema": models}}),
+            "/v1/load_lora_adapter": _lora_update("loadLoRAAdapter",
+                                                  "a LoRA adapter loaded", load),
+            "/v1/unload_lora_adapter": _lora_update("unloadLoRAAdapter",
+                                                    "a LoRA adapter unloaded", unload),
             "/health": {"get": {"operationId": "health", "summary": "200 while serving",
                                 "responses": {"200": {"description": "serving"},
                                               "503": {"description": "starting, draining or "

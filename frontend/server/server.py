@@ -117,6 +117,7 @@ def serve(
                         reasoning_parser=reasoning_parser,
                         responses_store_size=config.responses_store_size,
                         lora_adapters=config.lora_adapters(), ui=ui,
+                        allow_lora_updates=config.allow_runtime_lora_updating,
                         tool_call_parser=tool_call_parser or format_for_template(
                             read_chat_template(config.resolved_model_dir())))
     exit_code = 0

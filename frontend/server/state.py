@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from deepinfer.engine.protocol import GenerateRequest, SchedulerStats
+from deepinfer.engine.protocol import GenerateRequest, LoRAUpdate, LoRAUpdated, SchedulerStats
 from deepinfer.frontend.server.errors import APIError, server_error
 from deepinfer.frontend.server.metrics import Metrics
 from deepinfer.frontend.server.responses_store import ResponseStore
@@ -27,6 +27,8 @@ class EngineClient(Protocol):
 
     def generate(self, request: GenerateRequest) -> Any: ...  # AsyncIterator[RequestOutput]
 
+    async def update_lora(self, update: LoRAUpdate) -> LoRAUpdated: ...
+
     async def shutdown(self) -> None: ...
 
 
@@ -35,7 +37,8 @@ class ServerState:
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
                  max_buffered_outputs: int = 4096, reasoning_parser: str | None = None,
                  tool_call_parser: str = "hermes", responses_store_size: int = 1000,
-                 lora_adapters: dict[str, str] | None = None, ui: bool = True) -> None:
+                 lora_adapters: dict[str, str] | None = None, ui: bool = True,
+                 allow_lora_updates: bool = False) -> None:
         self.client: EngineClient | None = None
         self.api_key = api_key  # /v1 routes want it as a Bearer token (frontend/auth.py)
         self.ui = ui  # serve the browser page at / (--no-ui: off)
@@ -45,6 +48,7 @@ class ServerState:
         self.pending = 0  # engine requests admitted and not yet finished
         self.model_aliases = model_aliases
         self.lora_adapters = lora_adapters or {}  # --lora-modules: name -> path
+        self.allow_lora_updates = allow_lora_updates  # --allow-runtime-lora-updating
         self.grammar_max_bytes = grammar_max_bytes  # longest schema/regex/grammar text accepted
         # A stream whose client reads slower than the engine writes buffers its outputs here;
         # past this many the request is aborted rather than the server's memory grown.

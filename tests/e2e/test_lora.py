@@ -1,8 +1,15 @@
 """Multi-LoRA through the real processes against HF transformers with the adapter applied by
-PEFT: each request of one mixed batch (the base model and two adapters) gets its own adapter's
-greedy tokens and logprobs; the prefix cache keeps adapters apart; bad adapters are refused."""
+PEFT: each request of one mixed batch (the base model and two adapters, then a third loaded at run
+time) gets its own adapter's greedy tokens and logprobs; unloading waits for the adapter's
+requests; the prefix cache and the KV tiers keep adapters apart; bad adapters are refused."""
 
 from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -121,44 +128,189 @@ def test_bad_adapters_are_refused_at_start_naming_the_problem(setup, tmp_path):
             EngineConfig(model=str(base), enable_lora=True, **limits).check_lora()
 
 
-def test_the_server_picks_the_adapter_by_model_and_lists_it(setup):
+@pytest.fixture(scope="module")
+def server(setup):
+    """A real server of the tiny model serving a and b, adapters changeable at run time."""
+    from scripts.server_process import ServerProcess
+
+    base, adapters = setup
+    server = ServerProcess(base, "--served-model-name", "tiny", "--num-kv-blocks", "128",
+                           "--enable-lora", "--allow-runtime-lora-updating", "--lora-modules",
+                           *[f"{k}={v}" for k, v in adapters.items()])
+    yield server
+    server.stop()
+
+
+def complete(server, model: str, prompt: list[int], n: int = 12, **extra) -> dict:
+    import httpx
+
+    r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+        "model": model, "prompt": prompt, "max_tokens": n, "temperature": 0, "ignore_eos": True,
+        **extra})
+    assert r.status_code == 200, r.text
+    return r.json()["choices"][0]
+
+
+def served_models(server) -> list[tuple[str, str | None]]:
+    import httpx
+
+    models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
+    return [(m["id"], m["parent"]) for m in models]
+
+
+def test_the_server_picks_the_adapter_by_model_and_lists_it(setup, server):
     import httpx
     from transformers import AutoTokenizer
-
-    from scripts.server_process import ServerProcess
 
     base, adapters = setup
     tokenizer = AutoTokenizer.from_pretrained(base)
     prompt = np.random.default_rng(2).integers(3, 40000, 17).tolist()
-    server = ServerProcess(base, "--served-model-name", "tiny", "--num-kv-blocks", "64",
-                           "--enable-lora", "--lora-modules",
-                           *[f"{k}={v}" for k, v in adapters.items()])
-    try:
-        models = httpx.get(f"{server.base_url}/v1/models").json()["data"]
-        assert [(m["id"], m["parent"]) for m in models] == [
-            ("tiny", None), ("a", "tiny"), ("b", "tiny")]
-        for name in ("tiny", "a", "b"):
-            r = httpx.post(f"{server.base_url}/v1/completions", timeout=60, json={
-                "model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
-                "ignore_eos": True})
-            assert r.status_code == 200, r.text
-            expected = peft_greedy(base, adapters.get(name), prompt, 12)[0]
-            assert r.json()["choices"][0]["text"] == tokenizer.decode(expected)
-        r = httpx.post(f"{server.base_url}/v1/completions", json={
-            "model": "c", "prompt": "x", "max_tokens": 1})
-        assert r.status_code == 404 and r.json()["error"]["param"] == "model"
-        # Per adapter: one request each, its 17 prompt and 12 generated tokens.
-        metrics = httpx.get(f"{server.base_url}/metrics").text
-        assert "deepinfer_lora_adapters_loaded 2.0" in metrics
-        for name in ("a", "b"):
-            for metric, value in (("requests", 1), ("prompt_tokens", 17),
-                                  ("generation_tokens", 12)):
-                line = f'deepinfer_lora_{metric}_total{{adapter="{name}"}} {float(value)}'
-                assert line in metrics, line
-        assert 'adapter="tiny"' not in metrics  # the base model is not an adapter
-    finally:
-        server.stop()
+    assert served_models(server) == [("tiny", None), ("a", "tiny"), ("b", "tiny")]
+    for name in ("tiny", "a", "b"):
+        expected = peft_greedy(base, adapters.get(name), prompt, 12)[0]
+        assert complete(server, name, prompt)["text"] == tokenizer.decode(expected)
+    r = httpx.post(f"{server.base_url}/v1/completions", json={
+        "model": "c", "prompt": "x", "max_tokens": 1})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model"
+    # Per adapter: one request each, its 17 prompt and 12 generated tokens.
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert "deepinfer_lora_adapters_loaded 2.0" in metrics
+    assert "deepinfer_lora_load_seconds_count 2.0" in metrics  # a and b, at start
+    for name in ("a", "b"):
+        for metric, value in (("requests", 1), ("prompt_tokens", 17),
+                              ("generation_tokens", 12)):
+            line = f'deepinfer_lora_{metric}_total{{adapter="{name}"}} {float(value)}'
+            assert line in metrics, line
+    assert 'adapter="tiny"' not in metrics  # the base model is not an adapter
 
+
+def test_an_adapter_loaded_at_run_time_serves_in_a_mixed_batch(setup, server, tmp_path):
+    """c is loaded through the API, then the base model, a, b and c answer together, each as
+    HF + PEFT with that adapter (tokens and logprobs)."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    base, adapters = setup
+    c = make_adapter(base, tmp_path / "c", 7, 16, ["q_proj", "o_proj", "up_proj", "down_proj"])
+    r = httpx.post(f"{server.base_url}/v1/load_lora_adapter", timeout=60,
+                   json={"lora_name": "c", "lora_path": str(c)})
+    assert r.status_code == 200 and "added successfully" in r.text
+    assert served_models(server)[-1] == ("c", "tiny")
+    prompts = [np.random.default_rng(10 + i).integers(3, 40000, 11 + 5 * i).tolist()
+               for i in range(4)]
+    names, paths = ["tiny", "a", "b", "c"], [None, adapters["a"], adapters["b"], c]
+    with ThreadPoolExecutor(4) as pool:
+        choices = list(pool.map(lambda i: complete(server, names[i], prompts[i], logprobs=0),
+                                range(4)))
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    for prompt, path, choice in zip(prompts, paths, choices):
+        tokens, logprobs = peft_greedy(base, path, prompt, 12)
+        assert choice["text"] == tokenizer.decode(tokens), path
+        assert np.allclose(choice["logprobs"]["token_logprobs"], logprobs, atol=1e-4)
+    assert choices[3]["text"] != choices[0]["text"]  # c really changes the output
+    r = httpx.post(f"{server.base_url}/v1/unload_lora_adapter", timeout=60,
+                   json={"lora_name": "c"})
+    assert r.status_code == 200
+
+
+def test_unloading_waits_for_the_adapters_requests_and_loading_works_under_load(
+        setup, server, tmp_path):
+    """Streams of d run while d is unloaded and e is loaded: every stream ends whole and equal
+    to PEFT's; d is refused once its unload began; e answers as PEFT; d loads again."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    base, _ = setup
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    d = make_adapter(base, tmp_path / "d", 8, 8, ALL)
+    e = make_adapter(base, tmp_path / "e", 9, 4, ["v_proj", "gate_proj"])
+    url = server.base_url
+    assert httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": "d", "lora_path": str(d)}).status_code == 200
+    prompts = [np.random.default_rng(20 + i).integers(3, 40000, 9 + i).tolist() for i in range(3)]
+    started = threading.Barrier(len(prompts) + 1)
+
+    def stream(prompt: list[int]) -> tuple[str, list[float]]:
+        """The stream's text and its tokens' logprobs."""
+        text, logprobs = "", []
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=120, json={
+                "model": "d", "prompt": prompt, "max_tokens": 64, "temperature": 0,
+                "ignore_eos": True, "stream": True, "logprobs": 0}) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                chunk = json.loads(line[6:])["choices"][0]
+                text += chunk["text"]
+                if chunk["logprobs"] is not None:
+                    if not logprobs:
+                        started.wait()  # running: the unload starts after each one's first token
+                    logprobs += chunk["logprobs"]["token_logprobs"]
+        return text, logprobs
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        streams = [pool.submit(stream, p) for p in prompts]
+        started.wait()
+        with ThreadPoolExecutor(2) as updates:
+            unload = updates.submit(httpx.post, f"{url}/v1/unload_lora_adapter", timeout=120,
+                                    json={"lora_name": "d"})
+            load = updates.submit(httpx.post, f"{url}/v1/load_lora_adapter", timeout=120,
+                                  json={"lora_name": "e", "lora_path": str(e)})
+            assert load.result().status_code == 200
+            while ("d", "tiny") in served_models(server):  # the unload has begun
+                time.sleep(0.01)
+            r = httpx.post(f"{url}/v1/completions", json={"model": "d", "prompt": [5, 6],
+                                                          "max_tokens": 1})
+            assert r.status_code == 404
+            assert unload.result().status_code == 200
+        for prompt, future in zip(prompts, streams):
+            text, logprobs = future.result()
+            want_tokens, want_logprobs = peft_greedy(base, d, prompt, 64)
+            assert len(logprobs) == 64 and np.allclose(logprobs, want_logprobs, atol=1e-4)
+            # (a stream leaves out a last, incomplete UTF-8 character that decode shows as �)
+            assert tokenizer.decode(want_tokens).startswith(text) and len(text) > 64
+    prompt = prompts[0]
+    assert complete(server, "e", prompt)["text"] == tokenizer.decode(
+        peft_greedy(base, e, prompt, 12)[0])
+    assert served_models(server)[-1] == ("e", "tiny")
+    assert httpx.post(f"{url}/v1/load_lora_adapter", timeout=60,
+                      json={"lora_name": "d", "lora_path": str(d)}).status_code == 200
+    assert complete(server, "d", prompt)["text"] == tokenizer.decode(
+        peft_greedy(base, d, prompt, 12)[0])
+    for name in ("d", "e"):
+        assert httpx.post(f"{url}/v1/unload_lora_adapter",
+                          json={"lora_name": name}).status_code == 200
+
+
+def test_bad_adapters_loaded_at_run_time_are_400s_naming_the_problem(setup, server, tmp_path):
+    import httpx
+    from safetensors.torch import load_file, save_file
+
+    base, adapters = setup
+    big = make_adapter(base, tmp_path / "big", 3, 32, ["q_proj"])
+    foreign = make_adapter(save_tiny_model(tmp_path / "wide", hidden_size=96),
+                           tmp_path / "foreign", 4, 4, ["q_proj"])
+    missing = tmp_path / "missing"  # a's files naming a layer the model lacks
+    shutil.copytree(adapters["a"], missing)
+    weights = load_file(missing / "adapter_model.safetensors")
+    save_file({k.replace("layers.0.", "layers.99."): v for k, v in weights.items()},
+              missing / "adapter_model.safetensors")
+    damaged = tmp_path / "damaged"
+    shutil.copytree(adapters["a"], damaged)
+    (damaged / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    cases = [(tmp_path / "nowhere", "not a PEFT LoRA adapter"),
+             (big, "rank 32 is above --max-lora-rank 16"),
+             (foreign, "another base model"),
+             (missing, "the model has no model.layers.99"),
+             (damaged, "cannot read the adapter"),
+             (adapters["a"], "already loaded")]
+    for i, (path, message) in enumerate(cases):
+        name = "a" if message == "already loaded" else f"bad{i}"
+        r = httpx.post(f"{server.base_url}/v1/load_lora_adapter", timeout=60,
+                       json={"lora_name": name, "lora_path": str(path)})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+    assert served_models(server) == [("tiny", None), ("a", "tiny"), ("b", "tiny")]
+    assert complete(server, "tiny", [5, 6, 7], n=2)  # still serving
 
 
 def test_the_host_tier_keeps_adapters_apart(setup):

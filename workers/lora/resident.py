@@ -11,7 +11,7 @@ from collections.abc import Iterable
 
 from torch import nn
 
-from deepinfer.workers.lora.adapters import attach, detach
+from deepinfer.workers.lora.adapters import LoRAError, attach, detach
 
 log = logging.getLogger("deepinfer.lora")
 
@@ -19,8 +19,8 @@ log = logging.getLogger("deepinfer.lora")
 class ResidentAdapters:
     def __init__(self, model: nn.Module, paths: dict[str, str], max_rank: int,
                  capacity: int | None = None) -> None:
-        self.model, self.paths, self.max_rank = model, paths, max_rank
-        self.capacity = capacity or len(paths)
+        self.model, self.paths, self.max_rank = model, dict(paths), max_rank
+        self.capacity = capacity  # None: no limit
         self.loaded: OrderedDict[str, float] = OrderedDict()  # name -> seconds its load took
         for name in paths:  # each read and checked now: a bad adapter stops the start
             self.use([name])
@@ -38,7 +38,25 @@ class ResidentAdapters:
             self.loaded[name] = time.perf_counter() - start
             log.info("LoRA adapter %s loaded in %.3f s", name, self.loaded[name])
         for name in [n for n in self.loaded if n not in wanted]:
-            if len(self.loaded) <= self.capacity:
+            if self.capacity is None or len(self.loaded) <= self.capacity:
                 break
             detach(self.model, name)
             del self.loaded[name]
+
+    def add(self, name: str, path: str) -> float:
+        """Serve adapter `name` from now on (--allow-runtime-lora-updating): read, checked and
+        attached now; raises LoRAError, and nothing changes then. Returns the seconds it took."""
+        if name in self.paths:
+            raise LoRAError(f"a LoRA adapter named {name!r} is already loaded")
+        self.paths[name] = path
+        try:
+            self.use([name])
+        except Exception:
+            del self.paths[name]
+            raise
+        return self.loaded[name]
+
+    def remove(self, name: str) -> None:
+        """Stop serving `name` (the scheduler sends this once no request uses it)."""
+        if self.paths.pop(name, None) is not None and self.loaded.pop(name, None) is not None:
+            detach(self.model, name)

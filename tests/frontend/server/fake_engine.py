@@ -8,6 +8,8 @@ import json
 from deepinfer.engine.protocol import (
     FinishReason,
     GenerateRequest,
+    LoRAUpdate,
+    LoRAUpdated,
     PositionLogprobs,
     RequestOutput,
     SchedulerStats,
@@ -32,6 +34,14 @@ class FakeEngineClient:
         self.aborted: list[str] = []
         self.on_failure = None
         self.script: list[str] | None = None  # output pieces instead of " w0 w1 ..."
+        self.lora_updates: list[LoRAUpdate] = []
+
+    async def update_lora(self, update: LoRAUpdate) -> LoRAUpdated:
+        """Loads of a path under "bad" are refused; every update is kept in `lora_updates`."""
+        self.lora_updates.append(update)
+        if "bad" in update.path:
+            return LoRAUpdated(update.request_id, f"{update.path}: not a PEFT LoRA adapter")
+        return LoRAUpdated(update.request_id, seconds=0.02)
 
     @property
     def healthy(self) -> bool:
