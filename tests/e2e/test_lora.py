@@ -359,3 +359,41 @@ def test_the_disk_tier_names_blocks_by_the_adapters_content(setup, tmp_path):
         renamed = llm.generate([prompt], SamplingParams(lora="a", **GREEDY))[0]
     assert renamed.cached_tokens == 0
     assert renamed.token_ids == peft_greedy(base, adapters["b"], prompt, 12)[0]
+
+
+def fp8_exact_model(base, out):
+    """`base` with every matrix on fp8's grid times 2^-7, each row reaching 448 * 2^-7: fp8
+    quantization with 128 x 128 block scales (--quantization fp8) is then lossless, so HF + PEFT
+    on the float checkpoint is the exact reference for adapters over fp8 base weights."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                grid = (p / p.abs().amax() * 448).to(torch.float8_e4m3fn).float()
+                grid[:, 0] = 448.0  # every block's max: its scale is exactly 2^-7
+                p.copy_(grid * 2.0**-7)
+    model.save_pretrained(out)
+    for file in base.iterdir():
+        if "token" in file.name or file.name == "chat_template.jinja":
+            shutil.copy(file, out / file.name)
+    return out
+
+
+def test_adapters_over_fp8_base_weights_equal_peft(setup, tmp_path):
+    """The linears multiply fp8 weights (QuantizedMatmul) and the adapters add their products:
+    each request of a mixed batch as HF + PEFT (tokens and logprobs)."""
+    base = fp8_exact_model(setup[0], tmp_path / "fp8")
+    adapter = make_adapter(base, tmp_path / "a", 11, 8, ALL)
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (13, 7, 21)]
+    loras = ["a", None, "a"]
+    with LLM(str(base), num_kv_blocks=64, block_size=4, quantization="fp8", enable_lora=True,
+             lora_modules=[f"a={adapter}"]) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapter if lora else None, prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
