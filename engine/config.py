@@ -399,8 +399,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for on, what in ((self.tensor_parallel_size > 1, "--tensor-parallel-size > 1"),
                          (self.kv_events_config is not None, "--kv-events-config"),
                          (self.disaggregation_mode != "none", "--disaggregation-mode"),
-                         (self.speculative_method in ("draft", "mtp"),
-                          "--speculative-method draft or mtp")):
+                         (self.speculative_method == "mtp", "--speculative-method mtp")):
             _require(not on, f"--enable-lora does not work with {what} yet")
 
     def check_disk_tier(self) -> None:

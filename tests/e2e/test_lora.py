@@ -282,6 +282,24 @@ def test_unloading_waits_for_the_adapters_requests_and_loading_works_under_load(
                           json={"lora_name": name}).status_code == 200
 
 
+def test_structured_output_constrains_an_adapters_answer(server):
+    """A JSON schema on a request of adapter a: the answer parses and validates."""
+    import httpx
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer"},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    r = httpx.post(f"{server.base_url}/v1/chat/completions", timeout=120, json={
+        "model": "a", "messages": [{"role": "user", "content": "a number"}], "max_tokens": 60,
+        "temperature": 0, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "answer", "schema": schema}}})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
 def test_bad_adapters_loaded_at_run_time_are_400s_naming_the_problem(setup, server, tmp_path):
     import httpx
     from safetensors.torch import load_file, save_file
@@ -397,3 +415,23 @@ def test_adapters_over_fp8_base_weights_equal_peft(setup, tmp_path):
         assert out.token_ids == tokens, lora
         assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
     assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
+
+
+def test_a_draft_model_speculates_for_adapters_without_them(setup):
+    """The draft (the base model, no adapter) proposes, the target with each request's adapter
+    verifies: greedy output equal to HF + PEFT, and drafts accepted."""
+    base, adapters = setup
+    rng = np.random.default_rng(13)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (10, 16, 12)]
+    loras = ["a", None, "b"]
+    with LLM(str(base), num_kv_blocks=128, block_size=4, enable_lora=True,
+             lora_modules=[f"{k}={v}" for k, v in adapters.items()],
+             speculative_method="draft", speculative_model=str(base),
+             num_speculative_tokens=3) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+        stats = llm.stats()
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
