@@ -32,7 +32,7 @@ from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
 from deepinfer.workers.loader import DTYPES, load_model
-from deepinfer.workers.lora.adapters import CURRENT, LoRAError, lora_rows
+from deepinfer.workers.lora.adapters import CURRENT, LoRAError, step_adapters, step_slots
 from deepinfer.workers.lora.resident import ResidentAdapters
 from deepinfer.workers.sample.prompt_logprobs import prompt_logprobs
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
@@ -183,12 +183,11 @@ class ModelRunner:
     def _run(self, batch: StepBatch) -> torch.Tensor:
         if self.lora is None:
             return self._forward(batch)
-        lora_rows(batch, self.device)
-        self.lora.use(CURRENT.rows)
+        step_slots(batch, self.lora.use(step_adapters(batch)), self.device)
         try:
             return self._forward(batch)
         finally:
-            CURRENT.rows = {}
+            CURRENT.slots = None
 
     def _forward(self, batch: StepBatch) -> torch.Tensor:
         dev = self.device  # (a no-op on the CPU)

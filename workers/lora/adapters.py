@@ -2,11 +2,13 @@
 a loaded model's linears, and the low-rank products they add in a mixed batch.
 
 An adapter changes a linear W into W + scale * B A (A: [r, in], B: [out, r]; scale lora_alpha / r,
-or lora_alpha / sqrt(r) with rsLoRA, as PEFT computes it). It is attached by wrapping the
-forward of each linear it targets (a fused q|k|v or gate|up linear takes one product per part):
-the base product runs as always, then, for each adapter the batch uses, its rows get
-x A^T B^T added. Which rows use which adapter is the step's `LoRABatch` (set by the runner
-around the forward); a linear no adapter targets runs untouched.
+or lora_alpha / sqrt(r) with rsLoRA, as PEFT computes it). Each attached adapter has a slot; each
+linear an adapter targets keeps every slot's A and B stacked (`SlotStacks`: ranks zero-padded to
+--max-lora-rank, a fused q|k|v or gate|up linear's parts side by side), so one call per linear
+adds every row's own product: the grouped shrink (x A^T) and expand (B^T, scale folded in) of
+kernels/cpu/lora.py (a native kernel) or kernels/triton/lora.py (CUDA). Which slot each row of a
+step uses is `CURRENT` (set by the runner around the forward); a linear no adapter targets runs
+untouched, as does every row of the base model (slot -1).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from deepinfer.kernels.cpu import lora as cpu_lora
 from deepinfer.workers.layers.linear import Linear, MergedLinear
 
 # PEFT's module names this engine maps onto its linears.
@@ -33,34 +36,32 @@ class LoRAError(ValueError):
     """An adapter that cannot be served (its message names the problem)."""
 
 
-@dataclass
-class _Product:
-    a: torch.Tensor  # [r, in]
-    b: torch.Tensor  # [size, r], scale folded in
-    offset: int  # where its output columns start in the linear's output
-    size: int
-
-
-class LoRABatch(threading.local):
-    """The step's rows per adapter: adapter name -> row indices of the batch (set around each
-    forward by the runner; empty: the base model for every row)."""
+class StepSlots(threading.local):
+    """The step's adapter slot per row (int32 [rows], -1: the base model), set around each
+    forward by the runner; None: no row uses an adapter."""
 
     def __init__(self) -> None:
-        self.rows: dict[str, torch.Tensor] = {}
+        self.slots: torch.Tensor | None = None
 
 
-CURRENT = LoRABatch()
+CURRENT = StepSlots()
 
 
-def lora_rows(batch, device: torch.device) -> None:
-    """Set CURRENT for a step (workers/step_batch.py StepBatch): each adapter's rows."""
-    rows: dict[str, list[int]] = {}
+def step_adapters(batch) -> set[str]:
+    """The adapters a step (workers/step_batch.py StepBatch) uses."""
+    return {r.state.params.lora for r in batch.rows if r.state.params.lora is not None}
+
+
+def step_slots(batch, slot_of: dict[str, int], device: torch.device) -> None:
+    """Set CURRENT for a step from each adapter's slot (None when no row uses one)."""
+    slots = None
     for r in batch.rows:
         adapter = r.state.params.lora
         if adapter is not None:
-            rows.setdefault(adapter, []).extend(range(r.first_row, r.first_row + r.num_rows))
-    CURRENT.rows = {name: torch.tensor(ix, dtype=torch.long, device=device)
-                    for name, ix in rows.items()}
+            if slots is None:
+                slots = torch.full((len(batch.input_ids),), -1, dtype=torch.int32)
+            slots[r.first_row:r.first_row + r.num_rows] = slot_of[adapter]
+    CURRENT.slots = None if slots is None else slots.to(device)
 
 
 def read_adapter(path: str | Path, max_rank: int) -> tuple[float, dict[str, tuple]]:
@@ -86,15 +87,27 @@ def read_adapter(path: str | Path, max_rank: int) -> tuple[float, dict[str, tupl
             raise LoRAError(f"{path}: target module {m[2]} is not supported (one of "
                             f"{', '.join(TARGETS)})")
         pairs.setdefault(m[1], {})[m[3]] = tensor.float()
+    for name, ab in pairs.items():
+        if set(ab) != {"A", "B"} or ab["A"].shape[0] > max_rank:
+            raise LoRAError(f"{path}: {name} needs lora_A and lora_B of rank at most "
+                            f"{max_rank}")
     return scale, {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}
 
 
-def attach(model: nn.Module, name: str, path: str | Path, max_rank: int) -> None:
-    """Load adapter `name` from `path` onto `model`'s linears; raises LoRAError (nothing is
-    attached then)."""
+@dataclass
+class _Product:
+    linear: Linear
+    part: int  # which of the linear's parts (0 for an unfused linear)
+    a: torch.Tensor  # [r, in]
+    b: torch.Tensor  # [size, r], scale folded in
+
+
+def attach(model: nn.Module, slot: int, path: str | Path, max_rank: int) -> None:
+    """Load the adapter at `path` into `slot` of `model`'s linears (whatever the slot held is
+    cleared); raises LoRAError (nothing changes then)."""
     scale, weights = read_adapter(path, max_rank)
     modules = dict(model.named_modules())
-    plan: list[tuple[Linear, _Product]] = []
+    plan: list[_Product] = []
     for module_path, (a, b) in weights.items():
         for old, new in model.checkpoint_renames.items():
             module_path = module_path.replace(old, new)
@@ -107,24 +120,37 @@ def attach(model: nn.Module, name: str, path: str | Path, max_rank: int) -> None
         if not isinstance(linear, Linear):
             raise LoRAError(f"{path}: the model has no {module_path} (an adapter of another "
                             "base model?)")
-        offset, size = (linear.parts[part] if isinstance(linear, MergedLinear) and part
-                        else (0, linear.out_features))
+        parts = _parts(linear)
+        index = list(parts).index(part) if part in parts else 0
+        size = parts[part][1] if part in parts else linear.out_features
         if a.shape[1] != linear.in_features or b.shape[0] != size or a.shape[0] != b.shape[1]:
             raise LoRAError(f"{path}: {module_path}{'.' + part if part else ''} has A "
                             f"{tuple(a.shape)} and B {tuple(b.shape)}, the model's linear "
                             f"takes {linear.in_features} -> {size} (another base model?)")
-        dev, dtype = linear.weight.device, _dtype(linear)
-        plan.append((linear, _Product(a.to(dev, dtype), (b * scale).to(dev, dtype), offset,
-                                      size)))
-    for linear, product in plan:
-        _products(linear).setdefault(name, []).append(product)
+        plan.append(_Product(linear, index, a, b * scale))
+    detach(model, slot)
+    for p in plan:
+        _stacks(p.linear, max_rank).put(slot, p.part, p.a, p.b)
+    # Every linear with adapters holds as many slots: a step's slots index them all.
+    every = [m.lora_stacks for m in model.modules() if hasattr(m, "lora_stacks")]
+    count = max(s.a.shape[0] for s in every)
+    for stacks in every:
+        stacks.reserve(count)
 
 
-def detach(model: nn.Module, name: str) -> None:
+def detach(model: nn.Module, slot: int) -> None:
+    """Clear `slot` in every linear (its rows then add nothing until it is attached again)."""
     for module in model.modules():
-        products = getattr(module, "lora_products", None)
-        if products is not None:
-            products.pop(name, None)
+        stacks = getattr(module, "lora_stacks", None)
+        if stacks is not None:
+            stacks.clear(slot)
+
+
+def _parts(linear: Linear) -> dict[str | None, tuple[int, int]]:
+    """The linear's output parts in order: (offset, size) each."""
+    if isinstance(linear, MergedLinear):
+        return dict(linear.parts)
+    return {None: (0, linear.out_features)}
 
 
 def _dtype(linear: Linear) -> torch.dtype:
@@ -132,22 +158,70 @@ def _dtype(linear: Linear) -> torch.dtype:
         linear.weight.dtype if linear.weight.numel() else torch.float32)
 
 
-def _products(linear: Linear) -> dict[str, list[_Product]]:
-    """The adapters' products on `linear`, its forward wrapped the first time."""
-    if not hasattr(linear, "lora_products"):
-        linear.lora_products = {}
+class SlotStacks:
+    """One linear's adapters, by slot: a [S, P*R, in] (the parts' A side by side) and per part
+    b [S, size, R]; grown as slots are used."""
+
+    def __init__(self, linear: Linear, rank: int) -> None:
+        self.rank = rank
+        self.offsets = [off for off, _ in _parts(linear).values()]
+        self.sizes = [size for _, size in _parts(linear).values()]
+        self.in_features = linear.in_features
+        self.device, self.dtype = linear.weight.device, _dtype(linear)
+        self.a = self._zeros(0, len(self.sizes) * rank, self.in_features)
+        self.bs = [self._zeros(0, size, rank) for size in self.sizes]
+        self.used: set[int] = set()  # slots with a product here
+
+    def _zeros(self, *shape: int) -> torch.Tensor:
+        return torch.zeros(*shape, dtype=self.dtype, device=self.device)
+
+    def reserve(self, count: int) -> None:
+        """Room for `count` slots (the new ones hold nothing)."""
+        grow = count - self.a.shape[0]
+        if grow > 0:
+            self.a = torch.cat([self.a, self._zeros(grow, *self.a.shape[1:])])
+            self.bs = [torch.cat([b, self._zeros(grow, *b.shape[1:])]) for b in self.bs]
+
+    def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
+        if slot >= self.a.shape[0]:  # room for this slot, and as many again
+            self.reserve(max(slot + 1, 2 * self.a.shape[0]))
+        r = a.shape[0]
+        rows = slice(part * self.rank, part * self.rank + r)
+        self.a[slot, rows] = a.to(self.device, self.dtype)
+        self.bs[part][slot, :, :r] = b.to(self.device, self.dtype)
+        self.used.add(slot)
+
+    def clear(self, slot: int) -> None:
+        if slot in self.used:
+            self.a[slot].zero_()
+            for b in self.bs:
+                b[slot].zero_()
+            self.used.discard(slot)
+
+    def add_products(self, y: torch.Tensor, x: torch.Tensor, slots: torch.Tensor) -> None:
+        """y += each row's adapter product, in place (rows past the stacks' slots: none)."""
+        if not self.used:
+            return
+        x = x.reshape(-1, self.in_features)
+        if x.device.type == "cuda":
+            from deepinfer.kernels.triton.lora import lora_delta_ as triton_lora_delta_
+
+            triton_lora_delta_(y, x.contiguous(), slots, self.a, self.bs, self.offsets)
+        else:
+            cpu_lora.lora_delta_(y, x.contiguous(), slots, self.a, self.bs, self.offsets)
+
+
+def _stacks(linear: Linear, rank: int) -> SlotStacks:
+    """The linear's SlotStacks, its forward wrapped the first time."""
+    if not hasattr(linear, "lora_stacks"):
+        linear.lora_stacks = SlotStacks(linear, rank)
         base = linear.forward
 
         def forward(x: torch.Tensor) -> torch.Tensor:
             y = base(x)
-            if not CURRENT.rows:
-                return y
-            for adapter, rows in CURRENT.rows.items():
-                for p in linear.lora_products.get(adapter, ()):
-                    xs = x.index_select(0, rows)
-                    delta = (xs.to(p.a.dtype) @ p.a.T) @ p.b.T
-                    y[rows, p.offset:p.offset + p.size] += delta.to(y.dtype)
+            if CURRENT.slots is not None:
+                linear.lora_stacks.add_products(y, x, CURRENT.slots)
             return y
 
         linear.forward = forward
-    return linear.lora_products
+    return linear.lora_stacks

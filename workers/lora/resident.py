@@ -1,6 +1,7 @@
-"""Which LoRA adapters are attached to the model: at most --max-cpu-loras, the least recently
-used detached first; one asked for again is read back from its path (the scheduler's
---max-loras keeps a step's adapters within that number)."""
+"""Which LoRA adapters are attached to the model, each in its slot of the linears' stacks
+(workers/lora/adapters.py): at most --max-cpu-loras, the least recently used detached first; one
+asked for again is read back from its path (the scheduler's --max-loras keeps a step's adapters
+within that number)."""
 
 from __future__ import annotations
 
@@ -22,26 +23,29 @@ class ResidentAdapters:
         self.model, self.paths, self.max_rank = model, dict(paths), max_rank
         self.capacity = capacity  # None: no limit
         self.loaded: OrderedDict[str, float] = OrderedDict()  # name -> seconds its load took
+        self.slots: dict[str, int] = {}  # attached adapter -> its slot
         for name in paths:  # each read and checked now: a bad adapter stops the start
             self.use([name])
 
-    def use(self, names: Iterable[str]) -> None:
+    def use(self, names: Iterable[str]) -> dict[str, int]:
         """Attach the adapters one step uses (most recently used now), detaching the least
-        recently used others beyond the capacity."""
+        recently used others beyond the capacity; each attached adapter's slot."""
         wanted = list(names)
         for name in wanted:
             if name in self.loaded:
                 self.loaded.move_to_end(name)
                 continue
+            slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
             start = time.perf_counter()
-            attach(self.model, name, self.paths[name], self.max_rank)
+            attach(self.model, slot, self.paths[name], self.max_rank)
+            self.slots[name] = slot
             self.loaded[name] = time.perf_counter() - start
             log.info("LoRA adapter %s loaded in %.3f s", name, self.loaded[name])
         for name in [n for n in self.loaded if n not in wanted]:
             if self.capacity is None or len(self.loaded) <= self.capacity:
                 break
-            detach(self.model, name)
-            del self.loaded[name]
+            self._detach(name)
+        return self.slots
 
     def add(self, name: str, path: str) -> float:
         """Serve adapter `name` from now on (--allow-runtime-lora-updating): read, checked and
@@ -58,5 +62,9 @@ class ResidentAdapters:
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (the scheduler sends this once no request uses it)."""
-        if self.paths.pop(name, None) is not None and self.loaded.pop(name, None) is not None:
-            detach(self.model, name)
+        if self.paths.pop(name, None) is not None and name in self.loaded:
+            self._detach(name)
+
+    def _detach(self, name: str) -> None:
+        detach(self.model, self.slots.pop(name))
+        del self.loaded[name]
