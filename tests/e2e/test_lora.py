@@ -435,3 +435,19 @@ def test_a_draft_model_speculates_for_adapters_without_them(setup):
         assert out.token_ids == tokens, lora
         assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
+
+
+def test_two_tensor_parallel_ranks_shard_the_adapters_as_their_linears(setup):
+    """A and B split as each linear's weight is (B's rows of q|k|v and gate|up, A's columns of
+    o and down, whose partial products the all-reduce sums): each request as HF + PEFT."""
+    base, adapters = setup
+    rng = np.random.default_rng(14)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (11, 19, 8)]
+    loras = ["a", "b", None]
+    with LLM(str(base), tensor_parallel_size=2, num_kv_blocks=64, block_size=4,
+             enable_lora=True, lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)

@@ -171,11 +171,16 @@ class MergedLinear(Linear):
             self.parts[name] = (offset, size)
             offset += size
 
+    def part_rows(self, part: str, tensor: torch.Tensor | QuantizedWeight
+                  ) -> torch.Tensor | QuantizedWeight:
+        """This rank's rows of the checkpoint's whole `part` tensor."""
+        return tensor.narrow(0, self.sources.get(part, 0), self.parts[part][1])
+
     def load_part(self, part: str, tensor: torch.Tensor | QuantizedWeight,
                   is_bias: bool = False) -> None:
         offset, size = self.parts[part]
         target = self.bias if is_bias else self.weight
-        tensor = tensor.narrow(0, self.sources.get(part, 0), size)
+        tensor = self.part_rows(part, tensor)
         if isinstance(tensor, QuantizedWeight) and not is_bias:
             self.load_quantized(tensor, part)
             return

@@ -25,7 +25,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from deepinfer.kernels.cpu import lora as cpu_lora
-from deepinfer.workers.layers.linear import Linear, MergedLinear
+from deepinfer.workers.distributed.parallel_state import tp
+from deepinfer.workers.layers.linear import Linear, MergedLinear, RowParallelLinear
 
 # PEFT's module names this engine maps onto its linears.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -123,6 +124,8 @@ def attach(model: nn.Module, slot: int, path: str | Path, max_rank: int) -> None
         parts = _parts(linear)
         index = list(parts).index(part) if part in parts else 0
         size = parts[part][1] if part in parts else linear.out_features
+        if tp().world > 1:  # this rank's share, checked as the unsharded tensors were
+            a, b = _shard(linear, part, a, b)
         if a.shape[1] != linear.in_features or b.shape[0] != size or a.shape[0] != b.shape[1]:
             raise LoRAError(f"{path}: {module_path}{'.' + part if part else ''} has A "
                             f"{tuple(a.shape)} and B {tuple(b.shape)}, the model's linear "
@@ -144,6 +147,18 @@ def detach(model: nn.Module, slot: int) -> None:
         stacks = getattr(module, "lora_stacks", None)
         if stacks is not None:
             stacks.clear(slot)
+
+
+def _shard(linear: Linear, part: str | None, a: torch.Tensor, b: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A product's share on this tensor-parallel rank, as its linear's weight is split: B's rows
+    of a column-parallel part; A's columns of a row-parallel linear (whose partial products,
+    the adapter's among them, one all-reduce sums)."""
+    if isinstance(linear, MergedLinear) and part is not None:
+        b = linear.part_rows(part, b)
+    elif isinstance(linear, RowParallelLinear):
+        a = linear.weight.load(a)
+    return a, b
 
 
 def _parts(linear: Linear) -> dict[str | None, tuple[int, int]]:
@@ -216,12 +231,14 @@ def _stacks(linear: Linear, rank: int) -> SlotStacks:
     if not hasattr(linear, "lora_stacks"):
         linear.lora_stacks = SlotStacks(linear, rank)
         base = linear.forward
+        # Split over tensor-parallel ranks by input: the products join the partial sums.
+        reduce = isinstance(linear, RowParallelLinear) and linear.tp.world > 1
 
         def forward(x: torch.Tensor) -> torch.Tensor:
-            y = base(x)
+            y = Linear.forward(linear, x) if reduce else base(x)
             if CURRENT.slots is not None:
                 linear.lora_stacks.add_products(y, x, CURRENT.slots)
-            return y
+            return linear.tp.all_reduce(y) if reduce else y
 
         linear.forward = forward
     return linear.lora_stacks
