@@ -313,6 +313,10 @@ def test_bad_adapters_loaded_at_run_time_are_400s_naming_the_problem(setup, serv
     weights = load_file(missing / "adapter_model.safetensors")
     save_file({k.replace("layers.0.", "layers.99."): v for k, v in weights.items()},
               missing / "adapter_model.safetensors")
+    experts = tmp_path / "experts"  # as PEFT adapts a MoE model's experts
+    shutil.copytree(adapters["a"], experts)
+    save_file({k.replace("mlp.down_proj", "mlp.experts.down_proj"): v for k, v in
+               weights.items()}, experts / "adapter_model.safetensors")
     damaged = tmp_path / "damaged"
     shutil.copytree(adapters["a"], damaged)
     (damaged / "adapter_model.safetensors").write_bytes(b"not safetensors")
@@ -321,6 +325,7 @@ def test_bad_adapters_loaded_at_run_time_are_400s_naming_the_problem(setup, serv
              (foreign, "another base model"),
              (missing, "the model has no model.layers.99"),
              (damaged, "cannot read the adapter"),
+             (experts, "adapts MoE experts"),
              (adapters["a"], "already loaded")]
     for i, (path, message) in enumerate(cases):
         name = "a" if message == "already loaded" else f"bad{i}"
@@ -451,3 +456,29 @@ def test_two_tensor_parallel_ranks_shard_the_adapters_as_their_linears(setup):
         tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
         assert out.token_ids == tokens, lora
         assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+
+
+FAMILIES = {  # arch -> (tiny model overrides, the adapter's targets)
+    "qwen3": ({}, ALL),  # q/k norms after the adapted projections
+    "gemma3": ({}, ALL),  # GeGLU, sandwich norms, sliding-window layers
+    # MoE: attention (adapters of the experts, PEFT's target_parameters, are refused)
+    "qwen3_moe": (dict(num_key_value_heads=2), ["q_proj", "k_proj", "v_proj", "o_proj"]),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(FAMILIES))
+def test_each_family_serves_adapters_as_peft(arch, tmp_path):
+    overrides, targets = FAMILIES[arch]
+    base = save_tiny_model(tmp_path / arch, arch, **overrides)
+    adapter = make_adapter(base, tmp_path / "a", 15, 8, targets)
+    rng = np.random.default_rng(16)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (12, 9)]
+    loras = ["a", None]
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+             lora_modules=[f"a={adapter}"]) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapter if lora else None, prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]

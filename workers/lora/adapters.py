@@ -81,6 +81,9 @@ def read_adapter(path: str | Path, max_rank: int) -> tuple[float, dict[str, tupl
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights_file)).items():
+        if ".experts." in key:
+            raise LoRAError(f"{path}: adapts MoE experts ({key}), which is not supported yet "
+                            "(attention and dense MLP projections are)")
         m = _KEY.match(key)
         if m is None:
             raise LoRAError(f"{path}: unexpected tensor {key} (only LoRA A/B weights are served)")
