@@ -396,8 +396,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  "all be loaded)")
         # Not yet with LoRA (each keeps KV or weights the adapters would have to tell apart;
         # the host and disk tiers name blocks by digests that include the adapter).
-        for on, what in ((self.kv_events_config is not None, "--kv-events-config"),
-                         (self.disaggregation_mode != "none", "--disaggregation-mode"),
+        for on, what in ((self.disaggregation_mode != "none", "--disaggregation-mode"),
                          (self.speculative_method == "mtp", "--speculative-method mtp")):
             _require(not on, f"--enable-lora does not work with {what} yet")
 

@@ -6,6 +6,11 @@ msgpack array whose first element names it, `["BlockStored", block_hashes, paren
 token_ids, block_size, lora_id, medium]`, `["BlockRemoved", block_hashes, medium]`,
 `["AllBlocksCleared"]`; a batch is `[ts, [events...], data_parallel_rank]`.
 
+A LoRA adapter's blocks carry the token ids as sent (not the salted ids the cache files them
+under, engine/kvcache/kv_manager.py cache_tokens), `lora_id` (the adapter's salt) and, as an
+8th element a consumer that knows only seven ignores, `lora_name`: a router keys them by
+(adapter, prefix), as the cache does.
+
 Block hashes are the chained digests of engine/kvcache/block_hash.py in their 64-bit form.
 `medium` names the tier: "GPU" for the device cache whatever the device (consumers take "GPU" for
 the primary tier, even when DeepInfer computes on a CPU), "CPU" for the host tier, "DISK" for
@@ -17,6 +22,7 @@ from __future__ import annotations
 import time
 
 import msgspec
+import numpy as np
 
 from deepinfer.engine.kvcache.block_hash import BlockDigests, external_hash
 
@@ -32,6 +38,7 @@ class BlockStored(msgspec.Struct, array_like=True, tag=True, gc=False):
     block_size: int
     lora_id: int | None
     medium: str | None
+    lora_name: str | None = None
 
 
 class BlockRemoved(msgspec.Struct, array_like=True, tag=True, gc=False):
@@ -61,6 +68,7 @@ class KVEventLog:
         self.block_size = block_size
         self.events: list[KVEvent] = [AllBlocksCleared()]
         self._device = BlockDigests(identity, block_size)  # blocks in the prefix cache
+        self.adapters: dict[int, str] = {}  # LoRA salt -> adapter name, of every one served
 
     def take(self) -> list[KVEvent]:
         events, self.events = self.events, []
@@ -79,10 +87,9 @@ class KVEventLog:
         if named is None:  # the parent was not reported as cached (cannot happen)
             return
         parent, digests = named
-        self.events.append(BlockStored(
-            [external_hash(d) for d in digests], _external(parent),
-            [int(t) for t in tokens[: len(digests) * self.block_size]], self.block_size, None,
-            DEVICE))
+        self.events.append(self._block_stored(
+            [external_hash(d) for d in digests], parent,
+            tokens[: len(digests) * self.block_size], DEVICE))
 
     def removed(self, block: int) -> None:
         """`block` left the prefix cache (evicted)."""
@@ -98,9 +105,18 @@ class KVEventLog:
 
     def tier_stored(self, medium: str, digest: bytes, parent: bytes | None, tokens) -> None:
         """A tier (HOST, DISK) now holds the block `digest` of `tokens` after `parent`."""
-        self.events.append(BlockStored(
-            [external_hash(digest)], _external(parent), [int(t) for t in tokens],
-            self.block_size, None, medium))
+        self.events.append(self._block_stored([external_hash(digest)], parent, tokens, medium))
+
+    def _block_stored(self, hashes: list[int], parent: bytes | None, tokens,
+                      medium: str) -> BlockStored:
+        """The event of blocks holding `tokens` as the cache files them (a LoRA adapter's
+        salted above 2^32: published as sent, with the adapter named)."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        salt = int(ids[0] >> 32) if len(ids) else 0
+        if salt:
+            ids = ids & 0xFFFFFFFF
+        return BlockStored(hashes, _external(parent), ids.tolist(), self.block_size,
+                           salt or None, medium, self.adapters.get(salt))
 
     def tier_removed(self, medium: str, digest: bytes) -> None:
         self._remove(digest, medium)

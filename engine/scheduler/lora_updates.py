@@ -16,8 +16,9 @@ from deepinfer.engine.protocol import LoRAUpdate, LoRAUpdated
 
 
 class RuntimeAdapters:
-    def __init__(self, salts: dict[str, int]) -> None:
+    def __init__(self, salts: dict[str, int], names: dict[int, str] | None = None) -> None:
         self.salts = salts  # the scheduler's: adapter name -> salt of its cache ids
+        self.names = names  # the KV events' salt -> name (kept after an unload: blocks stay)
         self.loading: dict[str, LoRAUpdate] = {}  # request id -> the load the workers run
         self.unloading: dict[str, LoRAUpdate] = {}  # request id -> an unload waiting for users
 
@@ -47,6 +48,8 @@ class RuntimeAdapters:
             return None
         if answer.error is None:
             self.salts[msg.name] = answer.salt
+            if self.names is not None:
+                self.names[answer.salt] = msg.name
         return answer
 
     def unloads_due(self, in_use: Iterable[str | None]) -> list[LoRAUpdate]:

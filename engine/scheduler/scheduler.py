@@ -106,6 +106,7 @@ class Scheduler:
         self.kv_events: KVEventLog | None = None
         if config.kv_events_identity is not None:
             self.kv_events = KVEventLog(config.kv_events_identity, config.block_size)
+            self.kv_events.adapters = {salt: name for name, salt in config.lora_salts.items()}
             self.kv.report_events(self.kv_events)
 
     # ------------------------------------------------------------------ requests in / out

@@ -109,7 +109,9 @@ class SchedulerLoop:
         self.dp_rank = ctx.config.data_parallel_rank
         self.publisher = ZmqEventPublisher(events) if events is not None else None
         self.planning = self.stop_requested = False  # (SIGTERM: see stop)
-        self.adapters = RuntimeAdapters(self.scheduler.config.lora_salts)
+        events = self.scheduler.kv_events
+        self.adapters = RuntimeAdapters(self.scheduler.config.lora_salts,
+                                        events.adapters if events is not None else None)
         self._publish_events()  # AllBlocksCleared: routers forget what a restart lost
 
     def run(self) -> None:

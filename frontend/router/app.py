@@ -49,10 +49,20 @@ def _growing(value: object) -> str:
 
 
 def routing_text(path: str, payload: object) -> str:
-    """What a request's cached prefix is judged on: the prompt, or the conversation (after the
-    system prompt or instructions that come before it)."""
+    """What a request's cached prefix is judged on: the model it names (a LoRA adapter's cache
+    is its own), then the prompt, or the conversation (after the system prompt or instructions
+    that come before it)."""
     if not isinstance(payload, dict):
         return ""
+    return f"{request_model(payload)}\n{_prompt_text(path, payload)}"
+
+
+def request_model(payload: object) -> str | None:
+    model = payload.get("model") if isinstance(payload, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def _prompt_text(path: str, payload: dict) -> str:
     if path.endswith("chat/completions"):
         return _growing(payload.get("messages"))
     if path.startswith("/v1/messages"):
@@ -185,7 +195,7 @@ class Router:
             pool = [owner] if owner is not None else pool  # none: a replica answers the 404
         tokens = self.events.tokens(path, payload) if self.events is not None else None
         response = await self.place(pool, self.policy, routing_text(path, payload), path, body,
-                                    headers, stream, tokens)
+                                    headers, stream, tokens, request_model(payload))
         return self.unavailable(pool) if response is None else response
 
     async def owner(self, response_id: str, headers: dict) -> Replica | None:
@@ -212,14 +222,15 @@ class Router:
 
     async def place(self, pool: list[Replica], policy: Policy, text: str, path: str,
                     body: bytes, headers: dict, stream: bool,
-                    tokens: list[int] | None = None) -> Response | None:
+                    tokens: list[int] | None = None, model: str | None = None
+                    ) -> Response | None:
         """POST `body` to the replica of `pool` that `policy` picks for `text`, and return its
         response; one that fails before answering is skipped and the next one tried. None when
         no replica of `pool` could take the request."""
         tried: set[str] = set()
         while True:
             candidates = [r for r in pool if r.healthy and r.url not in tried]
-            replica = policy.choose(text, candidates, tokens)
+            replica = policy.choose(text, candidates, tokens, model)
             if replica is None:
                 return None
             tried.add(replica.url)

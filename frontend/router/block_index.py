@@ -6,6 +6,10 @@ replica's identity key, so it chains its own key per block from the token ids th
 give the same keys, block after block, so the longest run of keys a replica holds is its cached
 prefix. A block counts as held while any of the replica's tiers (media) has it; BlockRemoved
 and AllBlocksCleared apply at once.
+
+A LoRA adapter's blocks (BlockStored's 8th element, `lora_name`) chain from the adapter's own
+root key, as the replica's cache keeps them apart: a request matches them only when its `model`
+names that adapter.
 """
 
 from __future__ import annotations
@@ -20,12 +24,21 @@ def _key(parent: int, block: Sequence[int]) -> int:
     return hash((parent, tuple(block)))
 
 
+def _root(adapter: str | None) -> int:
+    """The parent key of a sequence's first block: the base model's, or an adapter's own."""
+    if adapter is None:
+        return _ROOT
+    # (str hashes are randomized per process; these keys never leave this one)
+    return hash(("lora", adapter))
+
+
 class BlockIndex:
     def __init__(self) -> None:
         # Per replica: its block hash -> (our key, the media holding it).
         self._blocks: dict[str, dict[int, tuple[int, set[str | None]]]] = {}
         self._block_size: dict[str, int] = {}
         self._where: dict[int, set[str]] = {}  # our key -> replicas holding that block
+        self._adapters: set[str] = set()  # LoRA adapters whose blocks some replica reported
 
     def publishes(self, replica: str) -> bool:
         """Whether `replica` has sent events (if not, the router falls back to guessing)."""
@@ -45,7 +58,8 @@ class BlockIndex:
             tag = event[0]
             if tag == "BlockStored" and len(event) >= 5:
                 self._stored(replica, held, event[1], event[2], event[3], event[4],
-                             event[6] if len(event) > 6 else None)
+                             event[6] if len(event) > 6 else None,
+                             event[7] if len(event) > 7 and isinstance(event[7], str) else None)
             elif tag == "BlockRemoved" and len(event) >= 2:
                 self._removed(replica, held, event[1], event[2] if len(event) > 2 else None)
             elif tag == "AllBlocksCleared":
@@ -54,9 +68,11 @@ class BlockIndex:
                 held.clear()
 
     def _stored(self, replica: str, held: dict, hashes: list, parent_hash, tokens: list,
-                block_size: int, medium) -> None:
+                block_size: int, medium, adapter: str | None) -> None:
         if parent_hash is None:
-            parent = _ROOT
+            parent = _root(adapter)
+            if adapter is not None:
+                self._adapters.add(adapter)
         elif parent_hash in held:
             parent = held[parent_hash][0]
         else:
@@ -94,8 +110,10 @@ class BlockIndex:
 
     # ------------------------------------------------------------------ lookup
 
-    def match(self, tokens: Sequence[int], replicas: list[str]) -> dict[str, int]:
-        """Tokens of `tokens`' longest cached prefix on each publishing replica of `replicas`."""
+    def match(self, tokens: Sequence[int], replicas: list[str],
+              model: str | None = None) -> dict[str, int]:
+        """Tokens of `tokens`' longest cached prefix on each publishing replica of `replicas`,
+        for a request of `model` (a LoRA adapter's name: its blocks; else the base model's)."""
         out: dict[str, int] = {}
         by_size: dict[int, list[str]] = {}
         for r in replicas:
@@ -104,7 +122,7 @@ class BlockIndex:
                 if r in self._block_size:
                     by_size.setdefault(self._block_size[r], []).append(r)
         for bs, group in by_size.items():
-            live, key = set(group), _ROOT
+            live, key = set(group), _root(model if model in self._adapters else None)
             for i in range(len(tokens) // bs):
                 key = _key(key, tokens[i * bs:(i + 1) * bs])
                 live &= self._where.get(key, set())

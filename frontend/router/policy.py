@@ -78,9 +78,10 @@ class Policy:
         self.block_index: BlockIndex | None = None  # set when the router follows KV events
 
     def choose(self, text: str, replicas: list[Replica],
-               tokens: Sequence[int] | None = None) -> Replica | None:
+               tokens: Sequence[int] | None = None, model: str | None = None) -> Replica | None:
         """The replica for a request whose prompt is `text` (None: no replica to choose);
-        `tokens`, its prompt tokens, when the router knows them (KV events)."""
+        `tokens`, its prompt tokens, when the router knows them (KV events); `model`, what the
+        request names (a LoRA adapter's blocks are its own)."""
         if not replicas:
             return None
         least = min(replicas, key=lambda r: (r.in_flight, r.routed))
@@ -90,7 +91,7 @@ class Policy:
             chosen = least
         else:
             # Each replica's match once (a match refreshes its index's LRU order).
-            exact = self._exact(tokens, replicas)
+            exact = self._exact(tokens, replicas, model)
             hit, _, first = max((self._share(text, tokens, r, exact), -r.in_flight, -i)
                                 for i, r in enumerate(replicas))
             best = replicas[-first]
@@ -101,10 +102,11 @@ class Policy:
         chosen.routed += 1
         return chosen
 
-    def _exact(self, tokens: Sequence[int] | None, replicas: list[Replica]) -> dict[str, int]:
+    def _exact(self, tokens: Sequence[int] | None, replicas: list[Replica],
+               model: str | None) -> dict[str, int]:
         if self.block_index is None or not tokens:
             return {}
-        return self.block_index.match(tokens, [r.url for r in replicas])
+        return self.block_index.match(tokens, [r.url for r in replicas], model)
 
     @staticmethod
     def _share(text: str, tokens: Sequence[int] | None, replica: Replica,

@@ -75,7 +75,8 @@ def test_batches_reach_a_subscriber_and_replay_returns_missed_ones(tmp_path):
                 break
         last = int.from_bytes(seq_bytes, "big")
         assert msgspec.msgpack.decode(payload) == [
-            3.0, [["BlockStored", [2**64 - 1, 7], None, list(range(8)), 4, None, "GPU"]], None]
+            3.0, [["BlockStored", [2**64 - 1, 7], None, list(range(8)), 4, None, "GPU", None]],
+            None]
         # A bounded buffer: only the last 3 batches are kept.
         kept = replay(ctx, replay_addr, 0)
         assert [s for s, _ in kept] == list(range(last - 2, last + 1))

@@ -57,14 +57,31 @@ def test_radix_cache_logs_stored_chained_and_removed_on_eviction():
     h = [external_hash(d) for d in chain(longer, BS, ID)]
     assert wire(log) == [
         ["AllBlocksCleared"],
-        ["BlockStored", h[:2], None, prompt[:8], BS, None, "GPU"],
-        ["BlockStored", [h[2]], h[1], [7, 7, 7, 7], BS, None, "GPU"],
+        ["BlockStored", h[:2], None, prompt[:8], BS, None, "GPU", None],
+        ["BlockStored", [h[2]], h[1], [7, 7, 7, 7], BS, None, "GPU", None],
     ]
     alloc.free(blocks + more[2:])
     assert cache.evict(3) == 3
     events = wire(log)
     assert events[0][0] == "BlockRemoved" and sorted(events[0][1]) == sorted(h)
     assert [e[-1] for e in events] == ["GPU"]
+
+
+def test_an_adapters_blocks_are_published_with_their_tokens_as_sent_and_its_name():
+    """The cache files a LoRA request's tokens salted above 2^32 (kv_manager.cache_tokens); its
+    events carry the plain ids, lora_id (the salt) and lora_name, and their own hashes."""
+    alloc = BlockAllocator(8, BS)
+    cache = RadixCache(alloc, BS)
+    cache.events = log = KVEventLog(ID, BS)
+    log.adapters = {77: "sql"}
+    prompt = list(range(100, 108))
+    cache.insert(prompt, alloc.allocate(2))
+    salted = [t + (77 << 32) for t in prompt]
+    cache.insert(salted, alloc.allocate(2))
+    base, lora = wire(log)[1:]
+    assert base == ["BlockStored", base[1], None, prompt, BS, None, "GPU", None]
+    assert lora[2:] == [None, prompt, BS, 77, "GPU", "sql"]
+    assert set(lora[1]).isdisjoint(base[1])  # the adapter's blocks are not the base model's
 
 
 def test_host_tier_logs_its_own_medium():
@@ -84,12 +101,12 @@ def test_host_tier_logs_its_own_medium():
         host.plan_entry()  # the plan is sent: its pins end
     ha, hb = (external_hash(chain(t, BS, ID)[0]) for t in (a, b))
     assert wire(log)[1:] == [
-        ["BlockStored", [ha], None, a, BS, None, "GPU"],
-        ["BlockStored", [ha], None, a, BS, None, "CPU"],
+        ["BlockStored", [ha], None, a, BS, None, "GPU", None],
+        ["BlockStored", [ha], None, a, BS, None, "CPU", None],
         ["BlockRemoved", [ha], "GPU"],
-        ["BlockStored", [hb], None, b, BS, None, "GPU"],
+        ["BlockStored", [hb], None, b, BS, None, "GPU", None],
         ["BlockRemoved", [ha], "CPU"],
-        ["BlockStored", [hb], None, b, BS, None, "CPU"],
+        ["BlockStored", [hb], None, b, BS, None, "CPU", None],
         ["BlockRemoved", [hb], "GPU"],
     ]
 

@@ -40,3 +40,20 @@ def test_an_unload_waits_until_no_request_uses_the_adapter():
     for name, why in (("a", "no LoRA adapter 'a'"), ("zzz", "no LoRA adapter 'zzz'")):
         assert why in adapters.update(LoRAUpdate("r2", name, unload=True))[1].error
     assert "already loaded" in adapters.update(LoRAUpdate("r3", "b", "/x"))[1].error
+
+
+def test_the_kv_events_name_every_adapter_ever_served():
+    """BlockStored carries lora_name: the names of adapters at start and loaded later (kept
+    after an unload: their blocks may still be evicted or moved to a tier)."""
+    from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
+
+    s = Scheduler(SchedulerConfig(num_blocks=8, block_size=4, max_num_seqs=2,
+                                  max_num_batched_tokens=16, context_len=32,
+                                  kv_events_identity=b"k" * 32, lora_salts={"sql": 77}))
+    assert s.kv_events.adapters == {77: "sql"}
+    adapters = RuntimeAdapters(s.config.lora_salts, s.kv_events.adapters)
+    adapters.update(LoRAUpdate("r1", "chat", "/x"))
+    adapters.loaded(LoRAUpdated("r1", salt=91))
+    adapters.update(LoRAUpdate("r2", "sql", unload=True))
+    assert adapters.unloads_due([])
+    assert s.kv_events.adapters == {77: "sql", 91: "chat"} and s.config.lora_salts == {"chat": 91}

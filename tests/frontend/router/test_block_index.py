@@ -71,3 +71,21 @@ def test_the_router_tokenizes_requests_as_the_server_does(default_model):
     # What the server would render its own way is left to the approximate index.
     assert tokens("/v1/chat/completions", {"messages": messages, "tools": [{}]}) is None
     assert tokens("/v1/messages", {"messages": messages}) is None
+
+
+def test_an_adapters_blocks_match_only_requests_of_that_adapter():
+    index = BlockIndex()
+    prompt = list(range(8))
+    sql = ["BlockStored", [5, 6], None, prompt, BS, 77, "GPU", "sql"]
+    index.apply(A, [["AllBlocksCleared"], sql])
+    index.apply(B, [["AllBlocksCleared"], stored([1, 2], None, prompt)])
+    assert index.match(prompt, [A, B], "sql") == {A: 8, B: 0}
+    assert index.match(prompt, [A, B], "base") == {A: 0, B: 8}  # not an adapter: base blocks
+    assert index.match(prompt, [A, B]) == {A: 0, B: 8}
+    assert index.match(prompt, [A, B], "chat") == {A: 0, B: 8}  # an adapter nobody caches
+    index.apply(A, [["BlockRemoved", [6], "GPU"]])
+    assert index.match(prompt, [A, B], "sql") == {A: 4, B: 0}
+    policy = Policy()
+    policy.block_index = index
+    replicas = [Replica(A), Replica(B)]
+    assert policy.choose("x", replicas, prompt, "base").url == B
