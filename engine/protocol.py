@@ -112,6 +112,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     first_token: Int32  # the token the prefill sampled after the prompt
     kv_dtype: str = ""  # the prefill server's KV cache type (--kv-cache-dtype resolved)
     first_logprobs: SampledLogprobs | None = None
+    # The LoRA adapter the KV was computed with (its salt, engine/kv_identity.py; 0: none).
+    cache_salt: Annotated[int, msgspec.Meta(ge=0, le=2**31)] = 0
     # engine/trust.py: the prompt's token ids hashed (a decode server checks they are its
     # prompt's), and the prefill server's signature over every other field.
     prompt_digest: str = ""

@@ -125,14 +125,14 @@ class Scheduler:
         lora = msg.params.lora
         if lora is not None and lora not in self.config.lora_salts:
             return self._reject(msg.request_id, f"no LoRA adapter {lora!r} is loaded")
+        salt = self.config.lora_salts[lora] if lora is not None else 0
         for connector in self.connectors:
-            why = connector.check(prompt, msg.params)
+            why = connector.check(prompt, msg.params, salt)
             if why is not None:
                 return self._reject(msg.request_id, why)
         req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
                       len(self.config.kv_groups))
-        if lora is not None:
-            req.cache_salt = self.config.lora_salts[lora]
+        req.cache_salt = salt
         self._arrivals += 1
         self.requests[req.request_id] = req
         if msg.params.grammar is not None:

@@ -482,3 +482,55 @@ def test_each_family_serves_adapters_as_peft(arch, tmp_path):
         assert out.token_ids == tokens, lora
         assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
     assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
+
+
+def test_a_prefill_and_a_decode_server_serve_adapters_as_peft(setup):
+    """--prefill-servers 1 --decode-servers 1: the prefill server computes each prompt with the
+    request's adapter, the decode server continues it with the same one (the KV's adapter is
+    checked): greedy text equal to HF + PEFT."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    from scripts.server_process import ServerProcess
+
+    base, adapters = setup
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    server = ServerProcess(base, "--served-model-name", "tiny", "--num-kv-blocks", "128",
+                           "--kv-transfer-timeout", "10", "--prefill-servers", "1",
+                           "--decode-servers", "1", "--enable-lora", "--lora-modules",
+                           *[f"{k}={v}" for k, v in adapters.items()],
+                           env={"DEEPINFER_CLUSTER_SECRET": "lora-pd-test-secret"})
+    try:
+        rng = np.random.default_rng(17)
+        for name in ("a", "b", "tiny"):
+            prompt = rng.integers(3, 40000, 14).tolist()
+            r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
+                "model": name, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            expected = peft_greedy(base, adapters.get(name), prompt, 12)[0]
+            assert r.json()["choices"][0]["text"] == tokenizer.decode(expected), name
+        (decode,) = [url for role, url in served_roles(server) if role == "decode"]
+        metrics = httpx.get(f"{decode}/metrics").text  # the prompts' KV came from the prefill
+        (pulled,) = [line for line in metrics.splitlines()
+                     if line.startswith("deepinfer_kv_transfer_blocks_total ")]
+        assert float(pulled.split()[1]) >= 3  # a block (of 16 tokens) per request at least
+    finally:
+        server.stop()
+
+
+def served_roles(server) -> list[tuple[str, str]]:
+    """(disaggregation role, url) of each server a PD topology started."""
+    from scripts.server_process import descendants
+
+    roles = []
+    for pid in descendants(server.proc.pid):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"--disaggregation-mode" in argv and b"serve" in argv:
+            port = argv[argv.index(b"--port") + 1].decode()
+            roles.append((argv[argv.index(b"--disaggregation-mode") + 1].decode(),
+                          f"http://127.0.0.1:{port}"))
+    return roles

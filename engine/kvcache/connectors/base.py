@@ -103,8 +103,10 @@ class KVConnector:
 
     # ------------------------------------------------------------------ requests
 
-    def check(self, prompt: np.ndarray, params: SamplingParams) -> str | None:
-        """Why a new request can never run here (None: it can, as far as this one knows)."""
+    def check(self, prompt: np.ndarray, params: SamplingParams, cache_salt: int = 0
+              ) -> str | None:
+        """Why a new request can never run here (None: it can, as far as this one knows);
+        `cache_salt`: its LoRA adapter's (0: the base model)."""
         return None
 
     def admit(self, req: Request) -> bool | None:

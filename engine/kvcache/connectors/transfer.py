@@ -151,7 +151,8 @@ class KVTransfer(KVConnector):
             do_remote_prefill=True, transfer_id=req.request_id,
             block_ids=[list(t) for t in req.tables], num_tokens=req.num_prompt,
             block_size=self.kv.block_size, first_token=req.output_ids[0], first_logprobs=logprobs,
-            kv_dtype=self.kv_dtype, prompt_digest=prompt_digest(req.prompt_ids))
+            kv_dtype=self.kv_dtype, prompt_digest=prompt_digest(req.prompt_ids),
+            cache_salt=req.cache_salt)
 
     def _confirm(self, msg: KVTransferDone) -> None:
         """A rank's report that the decode side is done with a transfer."""
@@ -186,23 +187,28 @@ class KVTransfer(KVConnector):
 
     # ------------------------------------------------------------------ decode side
 
-    def check(self, prompt: np.ndarray, params: SamplingParams) -> str | None:
+    def check(self, prompt: np.ndarray, params: SamplingParams, cache_salt: int = 0
+              ) -> str | None:
         """Why a prefill server's KV cannot continue this request here (None: it can). Its
-        blocks enter this server's prefix cache under this prompt's tokens: they must be the
-        ones the prefill server computed them for."""
+        blocks enter this server's prefix cache under this prompt's tokens (and adapter): they
+        must be the ones the prefill server computed them for."""
         remote = params.remote_prefill
         if remote is None:
             return None
-        why = self._mismatch(remote, prompt)
+        why = self._mismatch(remote, prompt, cache_salt)
         return None if why is None else f"kv_transfer_params: {why}"
 
-    def _mismatch(self, remote: KVTransferParams, prompt: np.ndarray) -> str | None:
+    def _mismatch(self, remote: KVTransferParams, prompt: np.ndarray,
+                  cache_salt: int) -> str | None:
         num_prompt = len(prompt)
         if remote.num_tokens != num_prompt:
             return (f"the prefill server computed {remote.num_tokens} prompt tokens, this "
                     f"server's prompt has {num_prompt} (a different model or tokenizer?)")
         if remote.prompt_digest != prompt_digest(prompt):
             return "the prefill server computed another prompt than this request's"
+        if remote.cache_salt != cache_salt:
+            return ("the prefill server computed the prompt with another LoRA adapter (or "
+                    "its files differ from this server's), or with none")
         if not 0 <= remote.first_token < self.vocab_size:
             return f"first_token {remote.first_token} is outside the vocabulary"
         if remote.block_size != self.kv.block_size:

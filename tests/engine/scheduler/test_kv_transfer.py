@@ -4,6 +4,8 @@ model, no processes (tests/e2e/test_disaggregation.py runs the real thing)."""
 
 from __future__ import annotations
 
+import msgspec
+
 from deepinfer.engine.kv_layout import FULL, SLIDING, KVGroup
 from deepinfer.engine.protocol import (
     FinishReason,
@@ -279,3 +281,27 @@ def test_a_mismatched_or_incomplete_transfer_is_refused_up_front():
     refused = d.add(TokenizedRequest("z", pack_ids(PROMPT), SamplingParams(
         remote_prefill=other_type)))
     assert refused.finish_reason == FinishReason.ERROR and "--kv-cache-dtype" in refused.error
+
+
+def test_kv_computed_with_another_lora_adapter_is_refused():
+    """The held KV names the adapter it was computed with (its salt, signed with the rest):
+    a decode server continues it only under the same adapter's files."""
+    def lora_server(salt: int) -> Scheduler:
+        return Scheduler(SchedulerConfig(32, BS, 8, 64, 64, 1024, (2,), lora_salts={"a": salt}))
+
+    p = lora_server(5)
+    p.add(TokenizedRequest("p", pack_ids(PROMPT), SamplingParams(
+        max_tokens=1, remote_decode=True, lora="a")))
+    (delta,) = run(p, [42])[1]
+    held = delta.kv_transfer
+    assert held.cache_salt == 5
+    params = msgspec.structs.replace(held, addresses=["tcp://x:1#n"])
+    for server, lora, refused in ((lora_server(5), "a", False), (lora_server(6), "a", True),
+                                  (lora_server(5), None, True)):
+        answer = server.add(TokenizedRequest("d", pack_ids(PROMPT), SamplingParams(
+            max_tokens=4, remote_prefill=params, lora=lora)))
+        if refused:
+            assert answer.finish_reason == FinishReason.ERROR
+            assert "another LoRA adapter" in answer.error
+        else:
+            assert answer is None and server.requests["d"].cache_salt == 5
