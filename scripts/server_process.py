@@ -137,6 +137,22 @@ def descendants(pid: int) -> dict[int, str]:
     return found
 
 
+def disaggregation_roles(pid: int) -> dict[str, tuple[int, str]]:
+    """The prefill and decode servers a `serve --prefill-servers N --decode-servers M` started
+    below `pid`: role -> (pid, url) (one per role: the last found)."""
+    roles = {}
+    for child in descendants(pid):
+        try:
+            argv = open(f"/proc/{child}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"--disaggregation-mode" in argv and b"serve" in argv:
+            role = argv[argv.index(b"--disaggregation-mode") + 1].decode()
+            port = argv[argv.index(b"--port") + 1].decode()
+            roles[role] = (child, f"http://127.0.0.1:{port}")
+    return roles
+
+
 def process_named(pid: int, name: str) -> int:
     """The pid of the process below `pid` named `name` (see `descendants`), e.g. worker0."""
     found = [p for p, n in descendants(pid).items() if n == name]

@@ -18,7 +18,12 @@ import pytest
 
 from deepinfer.engine.protocol import KVTransferParams
 from deepinfer.engine.trust import ROUTER_HEADER, router_proof, sign_params
-from scripts.server_process import ServerProcess, descendants, free_port, process_named
+from scripts.server_process import (
+    ServerProcess,
+    disaggregation_roles,
+    free_port,
+    process_named,
+)
 from scripts.tiny_models import save_tiny_model
 
 COMMON = ["--num-kv-blocks", "256", "--served-model-name", "tiny", "--kv-transfer-timeout",
@@ -43,16 +48,7 @@ class Topology:
         self.plain = ServerProcess(model, *COMMON)
         self.pd = ServerProcess(model, *COMMON, "--prefill-servers", "1", "--decode-servers", "1",
                                 env={"DEEPINFER_CLUSTER_SECRET": SECRET})
-        self.roles: dict[str, tuple[int, str]] = {}  # role -> (pid, url)
-        for pid in descendants(self.pd.proc.pid):
-            try:
-                argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-            except OSError:
-                continue
-            if b"--disaggregation-mode" in argv and b"serve" in argv:
-                role = argv[argv.index(b"--disaggregation-mode") + 1].decode()
-                port = argv[argv.index(b"--port") + 1].decode()
-                self.roles[role] = (pid, f"http://127.0.0.1:{port}")
+        self.roles = disaggregation_roles(self.pd.proc.pid)  # role -> (pid, url)
         assert set(self.roles) == {"prefill", "decode"}
 
     def url(self, role: str) -> str:

@@ -491,7 +491,7 @@ def test_a_prefill_and_a_decode_server_serve_adapters_as_peft(setup):
     import httpx
     from transformers import AutoTokenizer
 
-    from scripts.server_process import ServerProcess
+    from scripts.server_process import ServerProcess, disaggregation_roles
 
     base, adapters = setup
     tokenizer = AutoTokenizer.from_pretrained(base)
@@ -510,7 +510,7 @@ def test_a_prefill_and_a_decode_server_serve_adapters_as_peft(setup):
             assert r.status_code == 200, r.text
             expected = peft_greedy(base, adapters.get(name), prompt, 12)[0]
             assert r.json()["choices"][0]["text"] == tokenizer.decode(expected), name
-        (decode,) = [url for role, url in served_roles(server) if role == "decode"]
+        decode = disaggregation_roles(server.proc.pid)["decode"][1]
         metrics = httpx.get(f"{decode}/metrics").text  # the prompts' KV came from the prefill
         (pulled,) = [line for line in metrics.splitlines()
                      if line.startswith("deepinfer_kv_transfer_blocks_total ")]
@@ -518,19 +518,3 @@ def test_a_prefill_and_a_decode_server_serve_adapters_as_peft(setup):
     finally:
         server.stop()
 
-
-def served_roles(server) -> list[tuple[str, str]]:
-    """(disaggregation role, url) of each server a PD topology started."""
-    from scripts.server_process import descendants
-
-    roles = []
-    for pid in descendants(server.proc.pid):
-        try:
-            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-        except OSError:
-            continue
-        if b"--disaggregation-mode" in argv and b"serve" in argv:
-            port = argv[argv.index(b"--port") + 1].decode()
-            roles.append((argv[argv.index(b"--disaggregation-mode") + 1].decode(),
-                          f"http://127.0.0.1:{port}"))
-    return roles
