@@ -394,9 +394,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  and self.max_loras <= self.max_cpu_loras,
                  "--max-cpu-loras needs --max-loras at most as large (a batch's adapters must "
                  "all be loaded)")
-        # Not yet: MTP heads with adapters (untested).
-        _require(self.speculative_method != "mtp",
-                 "--enable-lora does not work with --speculative-method mtp yet")
 
     def check_disk_tier(self) -> None:
         """Raise ModelConfigError when --kv-disk-path cannot hold the disk tier: the directory

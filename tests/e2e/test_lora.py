@@ -518,3 +518,26 @@ def test_a_prefill_and_a_decode_server_serve_adapters_as_peft(setup):
     finally:
         server.stop()
 
+
+
+def test_mtp_heads_speculate_for_adapters(tmp_path):
+    """DeepSeek-V3 with an MTP layer: the heads propose without the adapter (from the hidden
+    states the adapted model computed), the target verifies with it: PEFT's greedy tokens."""
+    from scripts.tiny_models import add_mtp_weights
+
+    base = save_tiny_model(tmp_path / "ds", "deepseek_v3")
+    add_mtp_weights(base)
+    adapter = make_adapter(base, tmp_path / "a", 3, 8, ["o_proj"])  # MLA's adapted projection
+    rng = np.random.default_rng(18)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (10, 13)]
+    loras = ["a", None]
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+             lora_modules=[f"a={adapter}"], speculative_method="mtp",
+             num_speculative_tokens=2) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+        assert llm.stats().spec_draft_tokens > 0
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapter if lora else None, prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
