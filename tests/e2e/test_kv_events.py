@@ -104,10 +104,10 @@ def test_a_live_server_publishes_vllm_kv_events(tiny_model):
         first = list(range(1000, 1020))  # one full block and a tail
         complete(server.base_url, first)
         events = sub.wait_for(lambda ev: len(stored_events(ev)) >= 1)
-        (hashes, parent, tokens, block_size, lora, medium), = [e[1:] for e in
-                                                              stored_events(events)]
+        (hashes, parent, tokens, block_size, lora, medium, lora_name), = [
+            e[1:] for e in stored_events(events)]
         assert len(hashes) == 1 and parent is None and tokens == first[:BS]
-        assert block_size == BS and lora is None and medium == "GPU"
+        assert block_size == BS and lora is None and medium == "GPU" and lora_name is None
         assert all(isinstance(h, int) and 0 <= h < 2**64 for h in hashes)
         # The same first block, then a new one: it is stored with the first as its parent.
         second = first[:BS] + list(range(2000, 2020))
