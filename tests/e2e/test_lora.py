@@ -59,6 +59,15 @@ def peft_greedy(base, adapter, prompt: list[int], n: int) -> tuple[list[int], li
     return tokens[len(prompt):], logprobs
 
 
+def assert_as_peft(base, adapters: dict, prompts: list, loras: list, outs: list) -> None:
+    """Each output (12 greedy tokens) is HF + PEFT's with its request's adapter (`adapters`:
+    name -> path; None: the base model): the same tokens and logprobs."""
+    for prompt, lora, out in zip(prompts, loras, outs):
+        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
+        assert out.token_ids == tokens, lora
+        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora")
@@ -79,10 +88,7 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(setup, limits):
     with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
              lora_modules=[f"{k}={v}" for k, v in adapters.items()], **limits) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
-    for prompt, lora, out in zip(prompts, loras, outs):
-        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
-        assert out.token_ids == tokens, lora
-        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert_as_peft(base, adapters, prompts, loras, outs)
     assert outs[1].token_ids != outs[0].token_ids  # the adapters really change the output
 
 
@@ -415,10 +421,7 @@ def test_adapters_over_fp8_base_weights_equal_peft(setup, tmp_path):
     with LLM(str(base), num_kv_blocks=64, block_size=4, quantization="fp8", enable_lora=True,
              lora_modules=[f"a={adapter}"]) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
-    for prompt, lora, out in zip(prompts, loras, outs):
-        tokens, logprobs = peft_greedy(base, adapter if lora else None, prompt, 12)
-        assert out.token_ids == tokens, lora
-        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert_as_peft(base, {"a": adapter}, prompts, loras, outs)
     assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
 
 
@@ -435,10 +438,7 @@ def test_a_draft_model_speculates_for_adapters_without_them(setup):
              num_speculative_tokens=3) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
         stats = llm.stats()
-    for prompt, lora, out in zip(prompts, loras, outs):
-        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
-        assert out.token_ids == tokens, lora
-        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert_as_peft(base, adapters, prompts, loras, outs)
     assert stats.spec_draft_tokens > 0 and stats.spec_accepted_tokens > 0
 
 
@@ -452,10 +452,7 @@ def test_two_tensor_parallel_ranks_shard_the_adapters_as_their_linears(setup):
     with LLM(str(base), tensor_parallel_size=2, num_kv_blocks=64, block_size=4,
              enable_lora=True, lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
-    for prompt, lora, out in zip(prompts, loras, outs):
-        tokens, logprobs = peft_greedy(base, adapters.get(lora), prompt, 12)
-        assert out.token_ids == tokens, lora
-        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert_as_peft(base, adapters, prompts, loras, outs)
 
 
 FAMILIES = {  # arch -> (tiny model overrides, the adapter's targets)
@@ -477,10 +474,7 @@ def test_each_family_serves_adapters_as_peft(arch, tmp_path):
     with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
              lora_modules=[f"a={adapter}"]) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
-    for prompt, lora, out in zip(prompts, loras, outs):
-        tokens, logprobs = peft_greedy(base, adapter if lora else None, prompt, 12)
-        assert out.token_ids == tokens, lora
-        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert_as_peft(base, {"a": adapter}, prompts, loras, outs)
     assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
 
 
@@ -536,8 +530,5 @@ def test_mtp_heads_speculate_for_adapters(tmp_path):
              num_speculative_tokens=2) as llm:
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
         assert llm.stats().spec_draft_tokens > 0
-    for prompt, lora, out in zip(prompts, loras, outs):
-        tokens, logprobs = peft_greedy(base, adapter if lora else None, prompt, 12)
-        assert out.token_ids == tokens, lora
-        assert np.allclose([lp.chosen.logprob for lp in out.logprobs], logprobs, atol=1e-4)
+    assert_as_peft(base, {"a": adapter}, prompts, loras, outs)
     assert outs[0].token_ids != peft_greedy(base, None, prompts[0], 12)[0]
