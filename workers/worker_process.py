@@ -69,7 +69,7 @@ def main(ctx: ChildContext) -> None:
     encode = msgspec.msgpack.Encoder().encode
     info = {"num_kv_blocks": str(runner.num_blocks)}
     if runner.lora is not None:  # the adapters' load times, for the server's metric
-        info["lora_load_seconds"] = json.dumps(dict(runner.lora.loaded))
+        info["lora_load_seconds"] = json.dumps(runner.lora.load_seconds)
     for connector in runner.connectors:
         info |= connector.ready_info()
     log.info("rank %d ready on %s: %d KV blocks (%s), %d threads", ctx.rank, device,

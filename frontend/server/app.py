@@ -146,7 +146,7 @@ def build_app(
             raise
         state.client = client
         started.append(client)
-        for seconds in getattr(client, "lora_load_seconds", {}).values():  # --lora-modules
+        for seconds in client.lora_load_seconds.values():  # the --lora-modules adapters
             state.metrics.lora_load_seconds.observe(seconds)
 
     @asynccontextmanager

@@ -19,6 +19,7 @@ class EngineClient(Protocol):
     context_len: int
     stats: SchedulerStats
     dead_reason: str | None
+    lora_load_seconds: dict[str, float]  # the --lora-modules adapters' load times, once started
 
     @property
     def healthy(self) -> bool: ...

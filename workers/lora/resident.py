@@ -22,8 +22,9 @@ class ResidentAdapters:
                  capacity: int | None = None) -> None:
         self.model, self.paths, self.max_rank = model, dict(paths), max_rank
         self.capacity = capacity  # None: no limit
-        self.loaded: OrderedDict[str, float] = OrderedDict()  # name -> seconds its load took
-        self.slots: dict[str, int] = {}  # attached adapter -> its slot
+        # Attached adapter -> its slot, least recently used first.
+        self.slots: OrderedDict[str, int] = OrderedDict()
+        self.load_seconds: dict[str, float] = {}  # each adapter's last load
         for name in paths:  # each read and checked now: a bad adapter stops the start
             self.use([name])
 
@@ -32,19 +33,19 @@ class ResidentAdapters:
         recently used others beyond the capacity; each attached adapter's slot."""
         wanted = list(names)
         for name in wanted:
-            if name in self.loaded:
-                self.loaded.move_to_end(name)
+            if name in self.slots:
+                self.slots.move_to_end(name)
                 continue
             slot = min(set(range(len(self.slots) + 1)) - set(self.slots.values()))
             start = time.perf_counter()
             attach(self.model, slot, self.paths[name], self.max_rank)
             self.slots[name] = slot
-            self.loaded[name] = time.perf_counter() - start
-            log.info("LoRA adapter %s loaded in %.3f s", name, self.loaded[name])
-        for name in [n for n in self.loaded if n not in wanted]:
-            if self.capacity is None or len(self.loaded) <= self.capacity:
+            self.load_seconds[name] = time.perf_counter() - start
+            log.info("LoRA adapter %s loaded in %.3f s", name, self.load_seconds[name])
+        for name in [n for n in self.slots if n not in wanted]:
+            if self.capacity is None or len(self.slots) <= self.capacity:
                 break
-            self._detach(name)
+            detach(self.model, self.slots.pop(name))
         return self.slots
 
     def add(self, name: str, path: str) -> float:
@@ -58,13 +59,11 @@ class ResidentAdapters:
         except Exception:
             del self.paths[name]
             raise
-        return self.loaded[name]
+        return self.load_seconds[name]
 
     def remove(self, name: str) -> None:
         """Stop serving `name` (the scheduler sends this once no request uses it)."""
-        if self.paths.pop(name, None) is not None and name in self.loaded:
-            self._detach(name)
-
-    def _detach(self, name: str) -> None:
-        detach(self.model, self.slots.pop(name))
-        del self.loaded[name]
+        self.paths.pop(name, None)
+        self.load_seconds.pop(name, None)
+        if name in self.slots:
+            detach(self.model, self.slots.pop(name))

@@ -35,6 +35,7 @@ class FakeEngineClient:
         self.on_failure = None
         self.script: list[str] | None = None  # output pieces instead of " w0 w1 ..."
         self.lora_updates: list[LoRAUpdate] = []
+        self.lora_load_seconds: dict[str, float] = {}
 
     async def update_lora(self, update: LoRAUpdate) -> LoRAUpdated:
         """Loads of a path under "bad" are refused; every update is kept in `lora_updates`."""
