@@ -50,16 +50,9 @@ browser:
 serve: model
 	$(VENV)/bin/deepinfer serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-# import-linter walks a package's own folder, and `deepinfer`'s subpackages are mapped in from the
-# top-level folders (pyproject.toml's package-dir): it checks a copy laid out as installed.
-IMPORT_TREE := $(VENV)/import-tree
-
 lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
-	rm -rf $(IMPORT_TREE) && mkdir -p $(IMPORT_TREE)/deepinfer
-	cp deepinfer/*.py $(IMPORT_TREE)/deepinfer/
-	cp -r engine frontend workers kernels $(IMPORT_TREE)/deepinfer/
-	cd $(IMPORT_TREE) && $(CURDIR)/$(VENV)/bin/lint-imports --config $(CURDIR)/pyproject.toml
+	$(VENV)/bin/lint-imports --config pyproject.toml
 
 test: $(VENV)/.installed-test model browser lint
 	$(VENV)/bin/pytest -q $(PYTEST_ARGS)

@@ -1,7 +1,7 @@
 """DeepInfer: an LLM inference engine and OpenAI-compatible server.
 
 The one import package of the distribution. Its subpackages are the repository's top-level
-folders, mapped in by pyproject.toml's package-dir: `deepinfer.engine` (protocol, config,
+folders, linked in (deepinfer/engine -> ../engine, ...): `deepinfer.engine` (protocol, config,
 tokenizer and scheduler processes, launcher, offline API), `deepinfer.frontend` (HTTP server,
 router, CLI, load generator), `deepinfer.workers` (model execution) and `deepinfer.kernels`
 (native CPU and Triton kernels). The public Python API is here:

@@ -1,7 +1,7 @@
 """DeepInfer is one import package, `deepinfer`, whose subpackages are the repository's top-level
-folders (pyproject.toml's package-dir); nothing of ours shares a name with another distribution
-(Hugging Face's `kernels` has the name of our kernels/ folder), whatever the caller's working
-directory and PYTHONPATH."""
+folders (linked in: deepinfer/engine -> ../engine, ...); nothing of ours shares a name with
+another distribution (Hugging Face's `kernels` has the name of our kernels/ folder), whatever the
+caller's working directory and PYTHONPATH."""
 
 from __future__ import annotations
 
@@ -31,16 +31,19 @@ def foreign_kernels(tmp_path) -> Path:
 
 
 def test_every_folder_is_a_subpackage_of_deepinfer():
-    """pyproject.toml lists each package of the four folders under `deepinfer` (a new folder
-    left out would be missing from the wheel)."""
+    """setuptools finds the packages (no list to keep by hand: a new folder left out of one would
+    be missing from the wheel): pyproject's `find` yields every package of the four folders,
+    reached through deepinfer/<folder> links, and nothing else of ours."""
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from setuptools import find_packages
+
     config = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    found = {"deepinfer"} | {
+    assert set(config["packages"]) == {"find"} and "package-dir" not in config
+    found = find_packages(str(REPO), **config["packages"]["find"])
+    expected = {"deepinfer"} | {
         "deepinfer." + ".".join(p.parent.relative_to(REPO).parts)
         for folder in FOLDERS for p in (REPO / folder).rglob("__init__.py")}
-    assert set(config["packages"]) == found
-    assert config["package-dir"] == {"deepinfer": "deepinfer",
-                                     **{f"deepinfer.{f}": f for f in FOLDERS}}
+    assert sorted(found) == sorted(expected)
 
 
 def test_the_distribution_installs_one_top_level_package():
