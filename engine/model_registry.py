@@ -1,7 +1,11 @@
 """The architectures DeepInfer serves, one registry entry each: where its model class lives
 (workers/models/, imported only by the workers), what its config.json means beyond the fields
-every family shares (engine/model_config.py parses those), and what it supports. Adding an
-architecture is its model file under workers/models/ and an entry here. No torch."""
+every family shares, and what it supports. Adding an architecture is its model file under
+workers/models/ and an entry here. No torch.
+
+engine/model_config.py reads this registry (ModelConfig.from_hf adds each family's fields);
+the entries parse their configs with engine/model_fields.py, never with model_config, so the
+imports run one way."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.engine.kv_layout import SLIDING
-from deepinfer.engine.model_config import (
+from deepinfer.engine.model_fields import (
     ModelConfigError,
     compressed_attention,
     mla_fields,
