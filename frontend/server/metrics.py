@@ -1,13 +1,15 @@
 """Prometheus metrics of the API server, plus the engine's latest statistics (each declared
 once in engine/protocol.py's SchedulerStats).
 
-Each server has its own registry (tests run several apps in one process).
+Each server has its own registry (tests run several apps in one process). The metrics read the
+server's state at scrape time through `ScrapedState`, the little they need of it, so that this
+module stays below state.py, which builds the metrics.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -25,22 +27,36 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from deepinfer.engine.protocol import KV_TRANSFER_BUCKETS
+from deepinfer.engine.protocol import KV_TRANSFER_BUCKETS, SchedulerStats
 from deepinfer.engine.statistics import GAUGE, PER_POSITION, PHASE, declared_stats
-
-if TYPE_CHECKING:
-    from deepinfer.engine.protocol import SchedulerStats
-    from deepinfer.frontend.server.state import ServerState
 
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0,
 )
 
 
+class _StatsSource(Protocol):
+    @property
+    def stats(self) -> SchedulerStats: ...
+
+
+class ScrapedState(Protocol):
+    """What the metrics read of the server's state (state.py's ServerState is one)."""
+
+    @property
+    def client(self) -> _StatsSource | None: ...
+
+    @property
+    def healthy(self) -> bool: ...
+
+    @property
+    def lora_adapters(self) -> dict[str, str]: ...
+
+
 class EngineStatsCollector(Collector):
     """Reads the scheduler's latest SchedulerStats at scrape time."""
 
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ScrapedState) -> None:
         self.state = state
 
     def collect(self) -> Iterator[Metric]:
@@ -132,7 +148,7 @@ def _tier_metrics(s: SchedulerStats) -> Iterator[Metric]:
 
 
 class Metrics:
-    def __init__(self, state: ServerState) -> None:
+    def __init__(self, state: ScrapedState) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
