@@ -16,12 +16,14 @@ has a do-nothing default, so a connector implements only what it takes part in:
   failing (`report`);
 - every step: the plan's entry for its worker half (`plan_entry`, engine/protocol.py
   KVConnectorMeta), whether a plan must go out for it alone (`has_plan`), timers (`expire`,
-  `next_deadline`), and its counters (`fill_stats`).
+  `next_deadline`), and its counters (`fill_stats`; what a connector moves is counted by
+  `TransferCounters`, whose buckets make the /metrics histograms).
 The worker halves (workers/kv_connectors/) run the entries before the forward. No torch here.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -29,6 +31,7 @@ import numpy as np
 from deepinfer.engine.kvcache.kv_events import KVEventLog
 from deepinfer.engine.kvcache.radix_cache import Snapshot
 from deepinfer.engine.protocol import (
+    KV_TRANSFER_BUCKETS,
     DiskWrites,
     KVConnectorMeta,
     KVTransferDone,
@@ -53,6 +56,33 @@ class Arrival:
     error: str | None = None
     resume: bool = False
     retry: bool = False
+
+
+@dataclass
+class TransferCounters:
+    """Blocks a connector moved (the transfer's pulls, the disk tier's reads or its writes):
+    their count, bytes and seconds, and the count per bucket of KV_TRANSFER_BUCKETS that makes
+    their /metrics histogram (frontend/server/metrics.py)."""
+
+    blocks: int = 0
+    bytes: int = 0
+    count: int = 0
+    seconds: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * (len(KV_TRANSFER_BUCKETS) + 1))
+
+    def record(self, reports: dict[int, KVTransferDone]) -> None:
+        """One finished transfer, as every rank reported it (bytes add up over ranks; it took
+        as long as the slowest rank)."""
+        first = reports[min(reports)]
+        self.blocks += first.blocks
+        self.bytes += sum(r.bytes for r in reports.values())
+        self.observe(max(r.seconds for r in reports.values()))
+
+    def observe(self, seconds: float) -> None:
+        """One transfer that took `seconds` (its blocks and bytes are the caller's to add)."""
+        self.count += 1
+        self.seconds += seconds
+        self.buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
 
 
 class KVConnector:

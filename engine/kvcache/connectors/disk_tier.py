@@ -24,19 +24,17 @@ block's file).
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from deepinfer.engine.kv_disk_files import block_path, rank_dir, scan
 from deepinfer.engine.kvcache.block_hash import BlockDigests, chain, snapshot_digest
-from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector
+from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector, TransferCounters
 from deepinfer.engine.kvcache.kv_events import DISK, KVEventLog
 from deepinfer.engine.kvcache.kv_manager import KVManager
 from deepinfer.engine.kvcache.radix_cache import Snapshot
 from deepinfer.engine.protocol import (
-    KV_TRANSFER_BUCKETS,
     DiskLoad,
     DiskTierWork,
     DiskWrites,
@@ -66,28 +64,12 @@ class _Loading:
     aborted: bool = False
 
 
-def _buckets() -> list[int]:
-    return [0] * (len(KV_TRANSFER_BUCKETS) + 1)
-
-
 @dataclass
 class DiskCounters:
     hit_tokens: int = 0
     corrupt: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    read_seconds: float = 0.0
-    read_buckets: list[int] = field(default_factory=_buckets)
-    write_seconds: float = 0.0
-    write_buckets: list[int] = field(default_factory=_buckets)
-
-    def read(self, seconds: float) -> None:
-        self.read_seconds += seconds
-        self.read_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
-
-    def wrote(self, seconds: float) -> None:
-        self.write_seconds += seconds
-        self.write_buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
+    reads: TransferCounters = field(default_factory=TransferCounters)  # one per request's load
+    writes: TransferCounters = field(default_factory=TransferCounters)  # one per block written
 
 
 class DiskTier(KVConnector):
@@ -264,9 +246,8 @@ class DiskTier(KVConnector):
         self._pinned.discard(loading.window)
         reports = loading.reports.values()
         c = self.counters
-        c.bytes_read += sum(r.bytes for r in reports)
+        c.reads.record(loading.reports)
         c.corrupt += sum(r.damaged for r in reports)
-        c.read(max(r.seconds for r in reports))
         good = min(r.blocks for r in reports)
         failed = any(r.error is not None for r in reports)
         if failed:  # the first that failed, damaged or gone: recompute it
@@ -284,10 +265,10 @@ class DiskTier(KVConnector):
         return Arrival(loading.req, resume=True)
 
     def _wrote(self, msg: DiskWrites) -> None:
-        c = self.counters
-        c.bytes_written += msg.nbytes
+        writes = self.counters.writes
+        writes.bytes += msg.nbytes
         for seconds in msg.seconds:
-            c.wrote(seconds)
+            writes.observe(seconds)
         for i in range(0, len(msg.failed), 32):  # not on disk after all (a full disk)
             self.index.pop(msg.failed[i:i + 32], None)
 
@@ -331,9 +312,9 @@ class DiskTier(KVConnector):
         stats.disk_used_bytes = len(self.index) * self.settings.block_bytes
         stats.disk_hit_tokens = c.hit_tokens
         stats.disk_corrupt_blocks = c.corrupt
-        stats.disk_bytes_read = c.bytes_read
-        stats.disk_bytes_written = c.bytes_written
-        stats.disk_read_seconds = c.read_seconds
-        stats.disk_read_buckets = list(c.read_buckets)
-        stats.disk_write_seconds = c.write_seconds
-        stats.disk_write_buckets = list(c.write_buckets)
+        stats.disk_bytes_read = c.reads.bytes
+        stats.disk_bytes_written = c.writes.bytes
+        stats.disk_read_seconds = c.reads.seconds
+        stats.disk_read_buckets = list(c.reads.buckets)
+        stats.disk_write_seconds = c.writes.seconds
+        stats.disk_write_buckets = list(c.writes.buckets)

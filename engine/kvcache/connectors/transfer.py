@@ -19,17 +19,15 @@ free its hold at once (an abandoning pull) instead of leaving it to the hold tim
 
 from __future__ import annotations
 
-import bisect
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector
+from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector, TransferCounters
 from deepinfer.engine.kvcache.kv_manager import KVManager
 from deepinfer.engine.protocol import (
-    KV_TRANSFER_BUCKETS,
     FinishReason,
     KVHold,
     KVPull,
@@ -57,25 +55,6 @@ class _Receiving:
     req: Request
     reports: dict[int, KVTransferDone] = field(default_factory=dict)
     aborted: bool = False
-
-
-@dataclass
-class TransferCounters:
-    blocks: int = 0
-    bytes: int = 0
-    count: int = 0
-    seconds: float = 0.0
-    buckets: list[int] = field(default_factory=lambda: [0] * (len(KV_TRANSFER_BUCKETS) + 1))
-
-    def record(self, reports: dict[int, KVTransferDone]) -> None:
-        """One finished transfer, as every rank reported it (bytes add up over ranks)."""
-        first = reports[min(reports)]
-        self.blocks += first.blocks
-        self.bytes += sum(r.bytes for r in reports.values())
-        seconds = max(r.seconds for r in reports.values())
-        self.count += 1
-        self.seconds += seconds
-        self.buckets[bisect.bisect_left(KV_TRANSFER_BUCKETS, seconds)] += 1
 
 
 class KVTransfer(KVConnector):

@@ -146,6 +146,7 @@ def test_blocks_reach_disk_as_they_are_cached_and_a_new_server_reads_them(tmp_pa
     stats = sched.stats()
     assert stats.disk_hit_tokens == 20 and stats.prefix_cache_hits == 20
     assert stats.generation_tokens_total == 2
+    assert sum(stats.disk_read_buckets) == 1  # one read: the request's five blocks
 
 
 def test_under_eviction_pressure_every_reused_block_holds_its_prefix(tmp_path):
