@@ -158,7 +158,7 @@ class RequestTokens:
             messages = payload.get("messages")
             if path.endswith("chat/completions") and isinstance(messages, list):
                 # Plain text messages only: the server renders tools and content parts its own
-                # way (frontend/server/chat_turns.py), which a guess here could get wrong.
+                # way (frontend/server/common/chat_turns.py), which a guess here could get wrong.
                 if payload.get("tools") or not all(
                         isinstance(m, dict) and isinstance(m.get("content"), (str, type(None)))
                         for m in messages):

@@ -21,19 +21,19 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from deepinfer.frontend.auth import UNAUTHORIZED, authorized
-from deepinfer.frontend.server.errors import APIError
-from deepinfer.frontend.server.http_io import SSEResponse
-from deepinfer.frontend.server.lora_routes import load_lora_adapter, unload_lora_adapter
-from deepinfer.frontend.server.openai_responses import ModelCard, ModelList
-from deepinfer.frontend.server.openapi import openapi_document
-from deepinfer.frontend.server.serving_chat import create_chat_completion
-from deepinfer.frontend.server.serving_completion import create_completion
-from deepinfer.frontend.server.serving_messages import (
+from deepinfer.frontend.server.anthropic.messages import (
     count_message_tokens,
     create_message,
     error_response,
 )
-from deepinfer.frontend.server.serving_responses import create_response, stored_response
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.http_io import SSEResponse
+from deepinfer.frontend.server.lora_routes import load_lora_adapter, unload_lora_adapter
+from deepinfer.frontend.server.openai.chat import create_chat_completion
+from deepinfer.frontend.server.openai.completions import create_completion
+from deepinfer.frontend.server.openai.objects import ModelCard, ModelList
+from deepinfer.frontend.server.openapi import openapi_document
+from deepinfer.frontend.server.responses.handlers import create_response, stored_response
 from deepinfer.frontend.server.state import EngineClient, ServerState
 from deepinfer.frontend.ui.routes import ui_routes
 

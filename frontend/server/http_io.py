@@ -64,7 +64,7 @@ async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> by
             parts.append(chunk)
     if over:
         raise _too_big(limit)
-    # Kept for checks of the bytes themselves (the PD router's proof, server/kv_transfer.py):
+    # Kept for checks of the bytes themselves (the PD router's proof, server/common/kv_transfer.py):
     # the stream cannot be read twice.
     request.state.body = b"".join(parts)
     return request.state.body

@@ -1,6 +1,6 @@
 """GET /openapi.json: the server's OpenAPI 3.1 description, generated from the structs the
-handlers decode requests into and encode responses from (openai_schema.py,
-openai_responses.py, responses_schema.py, responses_objects.py, anthropic_schema.py), so it
+handlers decode requests into and encode responses from (common/openai_schema.py,
+openai/objects.py, responses/schema.py, responses/objects.py, anthropic/schema.py), so it
 cannot drift from what the server accepts."""
 
 from __future__ import annotations
@@ -9,18 +9,18 @@ from typing import Any
 
 import msgspec
 
-from deepinfer.frontend.server.anthropic_schema import (
+from deepinfer.frontend.server.anthropic.schema import (
     CountTokensRequest,
     ErrorOut,
     MessageOut,
     MessagesRequest,
     TokenCount,
 )
+from deepinfer.frontend.server.common.openai_schema import ChatCompletionRequest, CompletionRequest
 from deepinfer.frontend.server.lora_routes import LoadLoRARequest, UnloadLoRARequest
-from deepinfer.frontend.server.openai_responses import ChatCompletion, Completion, ModelList
-from deepinfer.frontend.server.openai_schema import ChatCompletionRequest, CompletionRequest
-from deepinfer.frontend.server.responses_objects import ResponseDeleted, ResponseObject
-from deepinfer.frontend.server.responses_schema import ResponsesRequest
+from deepinfer.frontend.server.openai.objects import ChatCompletion, Completion, ModelList
+from deepinfer.frontend.server.responses.objects import ResponseDeleted, ResponseObject
+from deepinfer.frontend.server.responses.schema import ResponsesRequest
 
 _REF = "#/components/schemas/{name}"
 

@@ -8,8 +8,8 @@ from typing import Any, Protocol
 from deepinfer.engine.protocol import GenerateRequest, LoRAUpdate, LoRAUpdated, SchedulerStats
 from deepinfer.frontend.server.errors import APIError, server_error
 from deepinfer.frontend.server.metrics import Metrics
-from deepinfer.frontend.server.responses_store import ResponseStore
-from deepinfer.frontend.server.tool_formats import TOOL_CALL_PARSERS
+from deepinfer.frontend.server.parsers.tool_calls.call_format import TOOL_CALL_PARSERS
+from deepinfer.frontend.server.responses.store import ResponseStore
 
 
 class EngineClient(Protocol):
@@ -54,9 +54,9 @@ class ServerState:
         # A stream whose client reads slower than the engine writes buffers its outputs here;
         # past this many the request is aborted rather than the server's memory grown.
         self.max_buffered_outputs = max_buffered_outputs
-        self.reasoning_parser = reasoning_parser  # --reasoning-parser (server/reasoning.py)
-        self.tool_call_format = TOOL_CALL_PARSERS[tool_call_parser]  # (server/tool_formats.py)
-        # Finished /v1/responses kept for GET and previous_response_id (responses_store.py).
+        self.reasoning_parser = reasoning_parser  # --reasoning-parser (parsers/reasoning/)
+        self.tool_call_format = TOOL_CALL_PARSERS[tool_call_parser]  # (parsers/tool_calls/)
+        # Finished /v1/responses kept for GET and previous_response_id (responses/store.py).
         self.responses = ResponseStore(responses_store_size)
         self.created = int(time.time())
         self.failure: str | None = None

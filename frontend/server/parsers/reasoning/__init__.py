@@ -1,0 +1,1 @@
+"""Reasoning parsers (`--reasoning-parser NAME`)."""

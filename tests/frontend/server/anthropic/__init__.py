@@ -1,0 +1,1 @@
+"""Tests of the Anthropic Messages API (frontend/server/anthropic/)."""

@@ -1,0 +1,1 @@
+"""Tests of the shared request path (frontend/server/common/)."""

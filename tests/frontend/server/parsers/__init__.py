@@ -1,0 +1,1 @@
+"""Tests of the reasoning and tool-call parsers (frontend/server/parsers/)."""

@@ -1,0 +1,1 @@
+"""Tests of the OpenAI Responses API (frontend/server/responses/)."""
