@@ -19,8 +19,8 @@ from deepinfer.engine.runtime.launcher import EngineStartupError
 from deepinfer.engine.settings import flag, settings
 from deepinfer.frontend.auth import resolve_api_key
 from deepinfer.frontend.router.policy import POLICIES
-from deepinfer.frontend.server.parsers.reasoning.base import REASONING_PARSERS
-from deepinfer.frontend.server.parsers.tool_calls.call_format import TOOL_CALL_PARSERS
+from deepinfer.frontend.server.parsers.reasoning.registry import REASONING_PARSERS
+from deepinfer.frontend.server.parsers.tool_calls.registry import TOOL_CALL_PARSERS
 
 _SECRET_HELP = ("a file holding the secret DeepInfer's servers, PD router and nodes share to "
                 "authenticate each other (default: DEEPINFER_CLUSTER_SECRET); needed with "

@@ -24,7 +24,7 @@ from starlette.applications import Starlette
 from deepinfer.engine.chat_template import read_chat_template
 from deepinfer.engine.config import EngineConfig
 from deepinfer.frontend.server.app import build_app, start_engine
-from deepinfer.frontend.server.parsers.tool_calls.call_format import format_for_template
+from deepinfer.frontend.server.parsers.tool_calls.registry import format_for_template
 from deepinfer.frontend.server.state import ServerState
 
 log = logging.getLogger("deepinfer.server")

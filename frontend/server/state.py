@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from deepinfer.engine.protocol import GenerateRequest, LoRAUpdate, LoRAUpdated, SchedulerStats
 from deepinfer.frontend.server.errors import APIError, server_error
 from deepinfer.frontend.server.metrics import Metrics
-from deepinfer.frontend.server.parsers.tool_calls.call_format import TOOL_CALL_PARSERS
+from deepinfer.frontend.server.parsers.tool_calls.registry import TOOL_CALL_PARSERS
 from deepinfer.frontend.server.responses.store import ResponseStore
 
 

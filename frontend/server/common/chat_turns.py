@@ -37,18 +37,11 @@ from deepinfer.frontend.server.common.usage import Usage
 from deepinfer.frontend.server.errors import decode_error
 from deepinfer.frontend.server.http_io import run_until_disconnect
 from deepinfer.frontend.server.parsers.reasoning.base import END as REASONING_END
-from deepinfer.frontend.server.parsers.reasoning.base import (
-    REASONING_PARSERS,
-    ReasoningDelta,
-    ReasoningParser,
-)
-from deepinfer.frontend.server.parsers.tool_calls.parser import (
-    ToolCall,
-    ToolCallDelta,
-    ToolCallParser,
-    ToolSetup,
-    parse_tools,
-)
+from deepinfer.frontend.server.parsers.reasoning.base import ReasoningDelta, ReasoningParser
+from deepinfer.frontend.server.parsers.reasoning.registry import REASONING_PARSERS
+from deepinfer.frontend.server.parsers.tool_calls.call_log import ToolCall, ToolCallDelta
+from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCallParser
+from deepinfer.frontend.server.parsers.tool_calls.tools import ToolSetup, parse_tools
 from deepinfer.frontend.server.state import ServerState
 
 

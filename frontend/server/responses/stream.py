@@ -17,7 +17,7 @@ import msgspec
 from deepinfer.frontend.server.common.chat_turns import ChatRun, TurnDelta
 from deepinfer.frontend.server.common.usage import Usage
 from deepinfer.frontend.server.errors import APIError
-from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCallDelta
+from deepinfer.frontend.server.parsers.tool_calls.call_log import ToolCallDelta
 from deepinfer.frontend.server.responses.input import responses_error
 from deepinfer.frontend.server.responses.objects import (
     ArgumentsDeltaEvent,

@@ -1,15 +1,11 @@
-"""Reasoning parsers (`--reasoning-parser NAME`): split a reasoning model's output into its
-reasoning (`reasoning_content`) and its answer (`content`), as the text streams in.
+"""Reasoning parsers (`--reasoning-parser NAME`, named in registry.py): split a reasoning
+model's output into its reasoning (`reasoning_content`) and its answer (`content`), as the text
+streams in.
 
-Every family here writes its reasoning between `<think>` and `</think>`; they differ in where the
-reasoning starts:
-
-- `qwen3`: the model opens `<think>` itself (an answer without it has no reasoning).
-- `deepseek_r1`: the chat template already opened `<think>` in the prompt, so the output starts
-  inside the reasoning (a leading `<think>`, as older R1 checkpoints write, is dropped); an
-  output that never closes it is all reasoning.
-- `deepseek_v3` (V3.1 / V4 thinking mode): the template opens `<think>` only when thinking is on
-  for the request (`chat_template_kwargs`, or DeepSeek's `thinking`); off, everything is answer.
+Every family writes its reasoning between `<think>` and `</think>`; they differ in where the
+reasoning starts (each family's file says how): whether the prompt already opened it, and
+whether a leading `<think>` is then dropped. This base class reads the tags; a family only sets
+where it starts.
 
 A tag split across two chunks is held back until it can be told apart from text, so streamed
 and whole outputs split alike. The content never contains the tags.
@@ -93,36 +89,3 @@ def _partial_suffix(text: str, tag: str) -> int:
             return n
     return 0
 
-
-class Qwen3Parser(ReasoningParser):
-    def __init__(self, thinking: bool | None = None) -> None:
-        super().__init__(opened=False)
-
-
-class DeepSeekR1Parser(ReasoningParser):
-    drops_leading_start = True
-
-    def __init__(self, thinking: bool | None = None) -> None:
-        super().__init__(opened=True)
-
-
-class DeepSeekV3Parser(ReasoningParser):
-    """Thinking off (its template's default): the prompt closed the reasoning; all is answer."""
-
-    drops_leading_start = True
-
-    @staticmethod
-    def thinks(thinking: bool | None) -> bool:
-        return bool(thinking)
-
-    def __init__(self, thinking: bool | None = None) -> None:
-        super().__init__(opened=bool(thinking))
-        if not thinking:
-            self.state = "answer"
-
-
-REASONING_PARSERS: dict[str, type[ReasoningParser]] = {
-    "deepseek_r1": DeepSeekR1Parser,
-    "qwen3": Qwen3Parser,
-    "deepseek_v3": DeepSeekV3Parser,
-}

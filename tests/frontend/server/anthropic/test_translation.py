@@ -29,7 +29,8 @@ from deepinfer.frontend.server.common.thinking import template_kwargs
 from deepinfer.frontend.server.common.usage import PromptTokensDetails, Usage
 from deepinfer.frontend.server.errors import APIError, decode_error
 from deepinfer.frontend.server.openapi import openapi_document
-from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCall, ToolCallDelta, parse_tools
+from deepinfer.frontend.server.parsers.tool_calls.call_log import ToolCall, ToolCallDelta
+from deepinfer.frontend.server.parsers.tool_calls.tools import parse_tools
 from deepinfer.frontend.server.state import ServerState
 
 WEATHER = {"name": "get_weather", "description": "Weather of a city",

@@ -9,7 +9,8 @@ import pytest
 from starlette.testclient import TestClient
 
 from deepinfer.frontend.server.app import build_app
-from deepinfer.frontend.server.parsers.reasoning.base import REASONING_PARSERS, ReasoningDelta
+from deepinfer.frontend.server.parsers.reasoning.base import ReasoningDelta
+from deepinfer.frontend.server.parsers.reasoning.registry import REASONING_PARSERS
 from deepinfer.frontend.server.state import ServerState
 from tests.frontend.server.fake_engine import chat, sse
 

@@ -10,12 +10,8 @@ import jsonschema
 import pytest
 
 from deepinfer.frontend.server.errors import APIError
-from deepinfer.frontend.server.parsers.tool_calls.parser import (
-    ParsedDelta,
-    ToolCallParser,
-    ToolSetup,
-    parse_tools,
-)
+from deepinfer.frontend.server.parsers.tool_calls.parser import ParsedDelta, ToolCallParser
+from deepinfer.frontend.server.parsers.tool_calls.tools import ToolSetup, parse_tools
 
 WEATHER_PARAMS = {
     "type": "object",

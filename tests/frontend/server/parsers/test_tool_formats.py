@@ -8,11 +8,11 @@ import json
 
 import pytest
 
-from deepinfer.frontend.server.parsers.tool_calls.call_format import (
+from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCallParser
+from deepinfer.frontend.server.parsers.tool_calls.registry import (
     TOOL_CALL_PARSERS,
     format_for_template,
 )
-from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCallParser
 from tests.frontend.server.parsers.test_tool_calls import check_stream, chunkings, setup
 
 B, E, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"

@@ -14,7 +14,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 from deepinfer.frontend.server.common.chat_turns import Turn, TurnDelta, decode_chat_dict
 from deepinfer.frontend.server.common.usage import PromptTokensDetails, Usage
 from deepinfer.frontend.server.errors import APIError
-from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCall, ToolCallDelta
+from deepinfer.frontend.server.parsers.tool_calls.call_log import ToolCall, ToolCallDelta
 from deepinfer.frontend.server.responses.input import (
     chat_messages,
     chat_request,
