@@ -120,7 +120,8 @@ class KVConnector:
 
     def match_snapshot(self, tokens, hit: int, start: int) -> tuple[int, int] | None:
         """A sliding-window snapshot this tier holds at a block boundary in [start, hit] of
-        `tokens` (the deepest): (its position, a handle), pinned like match()'s."""
+        `tokens` (the deepest): (its position, a handle), pinned like match()'s. `tokens` is
+        the array match() got in the same admission (a tier may reuse what it derived)."""
         return None
 
     def plan_snapshot_load(self, handle: int, sliding_blocks: list[int]) -> None:

@@ -92,6 +92,9 @@ class DiskTier(KVConnector):
         self._saves_now: list[tuple[int, bytes]] = []  # before it: evicted in this plan
         self._deletes: list[bytes] = []
         self._found: list[bytes] = []  # match()'s handles, while a plan is being built
+        # The prompt being admitted and its digests chained so far: match() and match_snapshot()
+        # of one admission share them; loads_wait() ends the admission.
+        self._admission: tuple[object, list[bytes]] | None = None
         self._planned: list[tuple[bytes, int]] = []  # (digest, device block) since loads_wait
         self._planned_window: tuple[bytes, list[int]] | None = None  # (name, sliding blocks)
         self._window_saves: list[tuple[bytes, Snapshot]] = []
@@ -175,7 +178,7 @@ class DiskTier(KVConnector):
         bs = self.block_size
         if end // bs <= start // bs:
             return []
-        digests = chain(tokens[: end // bs * bs], bs, self.settings.identity)
+        digests = self._prompt_digests(tokens, end // bs)
         found = []
         for digest in digests[start // bs:]:
             if not self._on_disk(digest):
@@ -190,12 +193,24 @@ class DiskTier(KVConnector):
         bs = self.block_size
         if hit < bs:
             return None
-        digests = chain(tokens[:hit], bs, self.settings.identity)
+        digests = self._prompt_digests(tokens, hit // bs)
         for pos in range(hit, max(start, bs) - 1, -bs):  # the deepest first
             name = snapshot_digest(digests[pos // bs - 1])
             if self._on_disk(name):
                 return pos, self._pin(name)
         return None
+
+    def _prompt_digests(self, tokens, blocks: int) -> list[bytes]:
+        """The digests of the first `blocks` blocks of the prompt being admitted, each chained
+        once in the admission (match(), then match_snapshot(), get the same `tokens`)."""
+        if self._admission is None or self._admission[0] is not tokens:
+            self._admission = (tokens, [])
+        digests = self._admission[1]
+        if len(digests) < blocks:
+            bs = self.block_size
+            digests += chain(tokens[len(digests) * bs: blocks * bs], bs, self.settings.identity,
+                             digests[-1] if digests else None)
+        return digests[:blocks]
 
     def _on_disk(self, name: bytes) -> bool:
         """Whether the block (or snapshot) is on disk, as far as this server knows; a file
@@ -218,6 +233,7 @@ class DiskTier(KVConnector):
         self._planned_window = (self._found[handle], list(sliding_blocks))
 
     def loads_wait(self, req: Request) -> bool:
+        self._admission = None  # the admission's lookups are over
         planned, self._planned = self._planned, []
         window, self._planned_window = self._planned_window, None
         if not planned and window is None:

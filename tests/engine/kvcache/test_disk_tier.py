@@ -315,3 +315,28 @@ def test_a_snapshot_is_saved_after_the_forward_unless_dropped_before_its_plan(tm
     assert [(w.digest, list(unpack_ids(w.blocks))) for w in entry.window_saves] == [
         (name, [7, 8])]
     assert name in tier.index and len(tier.index) == 3
+
+
+def test_an_admission_chains_its_prompts_digests_once(tmp_path, monkeypatch):
+    """match() and match_snapshot() of one admission look the same prompt up: its digests are
+    chained once between them; another prompt gets its own."""
+    from deepinfer.engine.kvcache.block_hash import chain
+    from deepinfer.engine.kvcache.connectors import disk_tier
+    from deepinfer.engine.kvcache.radix_cache import Snapshot
+
+    chained = []
+
+    def counting_chain(tokens, block_size, identity, parent=None):
+        chained.append(len(tokens) // block_size)
+        return chain(tokens, block_size, identity, parent)
+
+    sched, _ = make(tmp_path)
+    tier = disk(sched)
+    prompt = np.arange(17)
+    tier.on_stored(None, prompt[:16], [1, 2, 3, 4])
+    tier.on_snapshot(3, Snapshot(0, [7]))  # where the third block ends
+    monkeypatch.setattr(disk_tier, "chain", counting_chain)
+    assert len(tier.match(prompt, 0, 16)) == 4
+    assert tier.match_snapshot(prompt, 16, 0) == (12, 4)  # the handle after match()'s four
+    assert chained == [4]
+    assert tier.match(np.arange(100, 117), 0, 16) == [] and chained == [4, 4]
