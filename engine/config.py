@@ -213,7 +213,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     grammar_max_bytes: Annotated[int, setting(
         "structured output: longest schema, regex, EBNF or choice list accepted, in bytes "
         "(default 65536)", at_least=1)] = 65536
-    # The API server's (frontend/server/responses_store.py): in memory, per server process.
+    # The API server's (frontend/server/responses/store.py): in memory, per server process.
     responses_store_size: Annotated[int, setting(
         "/v1/responses: finished responses kept (store: true) for GET and "
         "previous_response_id, least recently used first out (default 1000; 0: none)",
