@@ -92,6 +92,13 @@ def run_child(
         ctx.failed(reason)
         time.sleep(0.2)  # let the report leave before the socket closes
         os._exit(1)
+    # A clean return leaves nothing to do (a worker's connectors finished their writes before
+    # it returned), and tearing down an interpreter that holds torch, its thread pools and a
+    # ZeroMQ context took ~0.5 s of every engine's stop: leave at once, logs flushed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -94,6 +94,7 @@ class SchedulerLoop:
     def __init__(self, ctx: ChildContext) -> None:
         self.scheduler = build_scheduler(ctx)
         self.overlap = ctx.config.overlap_scheduling
+        self.zmq = ctx.zmq
         self.inbound = pull(ctx.zmq, ctx.endpoints.scheduler_in)
         self.to_tokenizer = push(ctx.zmq, ctx.endpoints.tokenizer_in)
         self.to_workers = [plan_sender(ctx.zmq, addr, envs.cluster_secret())
@@ -108,7 +109,7 @@ class SchedulerLoop:
         events = ctx.config.kv_events()
         self.dp_rank = ctx.config.data_parallel_rank
         self.publisher = ZmqEventPublisher(events) if events is not None else None
-        self.planning = self.stop_requested = False  # (SIGTERM: see stop)
+        self.planning = self.stop_requested = self.stopping = False  # (SIGTERM: see stop)
         events = self.scheduler.kv_events
         self.adapters = RuntimeAdapters(self.scheduler.config.lora_salts,
                                         events.adapters if events is not None else None)
@@ -154,9 +155,11 @@ class SchedulerLoop:
 
     def stop(self) -> None:
         """SIGTERM: the connectors' last work, then every rank told to exit (ranks on other
-        hosts are not the launcher's to stop), then the last KV events; exits."""
-        for sock in self.to_workers:
-            sock.setsockopt(zmq.LINGER, 1000)
+        hosts are not the launcher's to stop), then the last KV events; exits. A second
+        SIGTERM while this runs (the launcher may signal twice) changes nothing."""
+        if self.stopping:
+            return
+        self.stopping = True
         last = self.scheduler.connector_plan()  # e.g. blocks the disk tier has yet to save
         if last is not None:
             self._send_workers(last.plan)
@@ -164,6 +167,11 @@ class SchedulerLoop:
         if self.publisher is not None:  # what the last steps changed still reaches routers
             self._publish_events()
             self.publisher.close(timeout=0.5)
+        # Deliver before leaving: at interpreter exit pyzmq drops what is still queued, and a
+        # rank that never gets its Shutdown waits out its grace period (1.5 s) instead.
+        for sock in self.to_workers:
+            sock.close(linger=1000)
+        self.zmq.destroy(linger=0)  # the other sockets: nothing of theirs is worth waiting for
         raise SystemExit(0)
 
     def _publish_events(self) -> None:
