@@ -8,6 +8,7 @@ PORT ?= 8000
 MODEL ?= default
 TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
+TEST_WORKERS ?= $(shell nproc)
 
 .PHONY: install model browser serve test test-slow lint bench-peers bench-spec clean
 
@@ -54,12 +55,14 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports --config pyproject.toml
 
+# One pytest worker per core, a test file's tests on one worker (its module's server starts once).
 test: $(VENV)/.installed-test model browser lint
-	$(VENV)/bin/pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
-# The long tests (e.g. build the wheel, install it into a fresh venv, serve from there).
+# The long tests and the rare-regression guards (README, Tests), e.g. build the wheel, install it
+# into a fresh venv, serve from there. .ci/run runs them after `make test`.
 test-slow: $(VENV)/.installed-test model
-	$(VENV)/bin/pytest -q -m slow $(PYTEST_ARGS)
+	$(VENV)/bin/pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench-peers: model
 	$(PY) scripts/bench_peers.py

@@ -15,6 +15,26 @@ from scripts.tiny_models import save_tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _own_cores_under_xdist() -> None:
+    """Under pytest-xdist (`make test` runs one pytest worker per core), each worker and every
+    process it starts keep to their own cores, and compute with that many threads: two engines'
+    OpenMP thread pools spinning on the same two cores slowed a test 13-fold. A worker sizes
+    its threads from its affinity (workers/worker_process.py), so engines follow by themselves."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if not worker.startswith("gw") or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if count > len(cores):
+        return
+    mine = cores[int(worker[2:]) % count::count]
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))  # read when torch starts, here and in children
+
+
+_own_cores_under_xdist()
+
 # The user's cache, taken before session_cache points DEEPINFER_CACHE elsewhere: the default
 # model is prepared there once (~15 s) and read from there by every session.
 USER_CACHE = cache_dir()

@@ -67,7 +67,10 @@ def _source_tree(dest: Path) -> Path:
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"], cwd=REPO,
         capture_output=True, check=True).stdout.decode().split("\0")
     for name in filter(None, files):
-        if (REPO / name).is_file():
+        if (REPO / name).is_symlink():  # deepinfer/engine -> ../engine, ...: links stay links
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            (dest / name).symlink_to(os.readlink(REPO / name))
+        elif (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(REPO / name, dest / name)
     return dest

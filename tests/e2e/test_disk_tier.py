@@ -293,6 +293,7 @@ def test_two_models_in_one_directory_never_share_a_block(tiny_model_dir, tmp_pat
     assert out.token_ids == cold(other, tokens).token_ids
 
 
+@pytest.mark.slow  # tensor parallelism x the disk tier: both are tested alone in `make test`
 def test_each_tensor_parallel_rank_keeps_its_own_share(tiny_model_dir, tmp_path):
     tokens = prompt(70, seed=50)
     kw = dict(num_kv_blocks=200, block_size=4, kv_disk_path=str(tmp_path),

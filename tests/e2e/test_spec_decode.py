@@ -106,6 +106,7 @@ def test_preemption_mid_speculation_leaks_nothing_and_changes_nothing(pair):
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
+@pytest.mark.slow  # the real model's acceptance; the tiny pairs above hold the identities
 def test_default_model_copying_its_prompt(default_model):
     """The workload n-gram speculation is for: greedy text unchanged, most drafts accepted."""
     code = "\n".join(f"    total_{i} = values[{i}] * weight + offset" for i in range(12))

@@ -70,6 +70,7 @@ def _load(args: list[str], env: dict[str, str], timeout: float) -> subprocess.Co
         pytest.fail(f"loading native op {args[0]} still waited after {timeout} s: {e.stderr!r}")
 
 
+@pytest.mark.slow  # a full native build, killed: guards the rare crash mid-build
 def test_a_build_killed_midway_leaves_no_lock_that_hangs_the_next_start(tmp_path):
     args = ["twice", _source(tmp_path, "twice", TWICE), "test_twice"]
     env = _env(tmp_path)
