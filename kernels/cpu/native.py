@@ -51,14 +51,15 @@ def _ninja_version() -> str:
 
 def _build_tag() -> str:
     """Keys the cached build: -march=native code must not run on another CPU, nor an old build
-    against another torch; and two installs (a checkout, a wheel) must not rebuild each other's
-    copy on every start, as they would under one name with different source paths. Nor two
-    toolchains: the compiler command is in build.ninja, and ninja 1.11 and 1.13 hash commands
-    differently in .ninja_log, so processes that found different ones (a test run, a server
-    started from an activated venv) rebuilt each other's op at every start."""
+    against another torch; nor two toolchains: the compiler command is in build.ninja, and
+    ninja 1.11 and 1.13 hash commands differently in .ninja_log, so processes that found
+    different ones (a test run, a server started from an activated venv) rebuilt each other's
+    op at every start. Not the sources' path: each op compiles a copy of its source kept in its
+    build folder (NativeOp._copied_source), so installs at other paths (a checkout, a wheel, a
+    fresh clone) share one build."""
     from torch.utils.cpp_extension import get_cxx_compiler
 
-    flags = f"{platform.machine()} {torch.__version__} {Path(__file__).parent.resolve()}"
+    flags = f"{platform.machine()} {torch.__version__}"
     flags += f" {get_cxx_compiler()} ninja {_ninja_version()}"
     for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):  # not tracked by torch
         flags += header.read_text()
@@ -80,8 +81,11 @@ class NativeOp:
         self.error: str | None = None
 
     def library_name(self) -> str:
+        """Named by the build tag and the source's content: another version of the source builds
+        in its own folder instead of rebuilding over this one."""
         _ensure_ninja()
-        return f"deepinfer_{self.name}_{_build_tag()}"
+        content = hashlib.sha1(self.source.read_bytes()).hexdigest()[:8]
+        return f"deepinfer_{self.name}_{_build_tag()}{content}"
 
     def build_dir(self) -> Path:
         """Where torch builds it (under TORCH_EXTENSIONS_DIR, or torch's default root)."""
@@ -117,12 +121,24 @@ class NativeOp:
             if built is None:
                 log.info("building native op %s (first use, ~10 s) in %s", self.name, build_dir)
             start = time.monotonic()
-            load(name=name, sources=[str(self.source)], extra_cflags=_FLAGS,
+            load(name=name, sources=[str(self._copied_source(build_dir))], extra_cflags=_FLAGS,
                  extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                  is_python_module=False)
             if built is not None and library.stat().st_mtime_ns != built:
                 log.info("rebuilt native op %s in %.0f s (its source changed)", self.name,
                          time.monotonic() - start)
+
+    def _copied_source(self, build_dir: Path) -> Path:
+        """The source and the headers beside it, copied into the build folder (rewritten only
+        when they differ, so ninja sees no change): build.ninja then names no path of this
+        install, and every install with the same sources finds the build done."""
+        copies = build_dir / "src"
+        copies.mkdir(exist_ok=True)
+        for path in (self.source, *sorted(self.source.parent.glob("*.h"))):
+            data, copy = path.read_bytes(), copies / path.name
+            if not copy.exists() or copy.read_bytes() != data:
+                copy.write_bytes(data)
+        return copies / self.source.name
 
     def available(self, *tensors: torch.Tensor | None) -> bool:
         """True when built (building it on first call) and the tensors (None allowed, e.g. a

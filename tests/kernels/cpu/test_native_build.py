@@ -157,3 +157,18 @@ def test_alternating_variants_build_once_each(tmp_path, kind):
             done.stdout + done.stderr  # built and loaded; the op is not in it
         builds |= {(p, p.stat().st_mtime_ns) for p in (tmp_path / "ext").glob("*/*.so")}
     assert len(builds) == 2, sorted(builds)
+
+
+def test_installs_at_other_paths_share_one_build(tmp_path):
+    """A checkout, a wheel, a fresh clone: the same source at another path finds the build
+    done (each op compiles a copy kept in its build folder), and another source builds apart."""
+    env = _env(tmp_path)
+    first, second = tmp_path / "checkout", tmp_path / "clone"
+    builds = set()
+    for folder, text in ((first, EMPTY), (second, EMPTY), (first, EMPTY), (second, EMPTY + "\n")):
+        folder.mkdir(exist_ok=True)
+        done = _load(["empty", _source(folder, "empty", text), "test_empty"], env, timeout=120)
+        assert done.returncode == 0 and "has no attribute 'test_empty'" in done.stdout, \
+            done.stdout + done.stderr
+        builds |= {(p, p.stat().st_mtime_ns) for p in (tmp_path / "ext").glob("*/*.so")}
+    assert len(builds) == 2, sorted(builds)  # the first source once, the changed one once
