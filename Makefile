@@ -10,7 +10,7 @@ TORCH_VERSION ?= 2.13.0
 PYTEST_ARGS ?=
 TEST_WORKERS ?= $(shell nproc)
 
-.PHONY: install model browser serve test test-slow lint bench-peers bench-spec clean
+.PHONY: install model native browser serve test test-slow lint bench-peers bench-spec clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,11 @@ install: $(VENV)/.installed
 model: $(VENV)/.installed
 	$(VENV)/bin/deepinfer prepare-model
 
+# The native CPU ops built now, two at a time (a no-op once built), not by pytest's workers
+# waiting on each other's first use one op at a time.
+native: $(VENV)/.installed
+	$(PY) -P -m deepinfer.kernels.cpu.prebuild
+
 # Headless Chromium and its WebDriver for the browser-page tests (Debian's packages), installed
 # when missing; without apt (or root) the tests say how to get them and are skipped (not on CI).
 browser:
@@ -56,12 +61,12 @@ lint: $(VENV)/.installed-test
 	$(VENV)/bin/lint-imports --config pyproject.toml
 
 # One pytest worker per core, a test file's tests on one worker (its module's server starts once).
-test: $(VENV)/.installed-test model browser lint
+test: $(VENV)/.installed-test model native browser lint
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # The long tests and the rare-regression guards (README, Tests), e.g. build the wheel, install it
 # into a fresh venv, serve from there. .ci/run runs them after `make test`.
-test-slow: $(VENV)/.installed-test model
+test-slow: $(VENV)/.installed-test model native
 	$(VENV)/bin/pytest -q -m slow -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 bench-peers: model

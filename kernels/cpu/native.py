@@ -54,12 +54,13 @@ def _build_tag() -> str:
     against another torch; nor two toolchains: the compiler command is in build.ninja, and
     ninja 1.11 and 1.13 hash commands differently in .ninja_log, so processes that found
     different ones (a test run, a server started from an activated venv) rebuilt each other's
-    op at every start. Not the sources' path: each op compiles a copy of its source kept in its
-    build folder (NativeOp._copied_source), so installs at other paths (a checkout, a wheel, a
-    fresh clone) share one build."""
+    op at every start; nor two torch installs (build.ninja names torch's headers by their path:
+    two venvs would rebuild each other's op). Not the sources' path: each op compiles a copy of
+    its source kept in its build folder (NativeOp._copied_source), so installs of DeepInfer at
+    other paths over one torch (a checkout, a wheel) share one build."""
     from torch.utils.cpp_extension import get_cxx_compiler
 
-    flags = f"{platform.machine()} {torch.__version__}"
+    flags = f"{platform.machine()} {torch.__version__} {Path(torch.__file__).parent}"
     flags += f" {get_cxx_compiler()} ninja {_ninja_version()}"
     for header in sorted((Path(__file__).parent / "csrc").glob("*.h")):  # not tracked by torch
         flags += header.read_text()

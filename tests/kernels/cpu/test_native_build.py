@@ -7,6 +7,7 @@ folder and a small source of the test's own; a timeout keeps a hang from hanging
 from __future__ import annotations
 
 import fcntl
+import importlib
 import logging
 import os
 import shutil
@@ -172,3 +173,15 @@ def test_installs_at_other_paths_share_one_build(tmp_path):
             done.stdout + done.stderr
         builds |= {(p, p.stat().st_mtime_ns) for p in (tmp_path / "ext").glob("*/*.so")}
     assert len(builds) == 2, sorted(builds)  # the first source once, the changed one once
+
+
+def test_prebuild_lists_every_native_op():
+    """`make native` builds the ops prebuild names: a new op left off the list would be built by
+    pytest's workers one at a time again (and, in a server, at its first request)."""
+    from deepinfer.kernels.cpu import prebuild
+
+    here = Path(native.__file__).parent
+    holders = {path.stem for path in here.glob("*.py")
+               if isinstance(getattr(importlib.import_module(f"deepinfer.kernels.cpu.{path.stem}"),
+                                     "_OP", None), NativeOp)}
+    assert holders == set(prebuild.OP_MODULES)
