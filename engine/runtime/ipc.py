@@ -1,4 +1,10 @@
-"""ZeroMQ endpoints of one engine instance, all ipc:// sockets in a private 0700 temp dir."""
+"""ZeroMQ endpoints of one engine instance, all ipc:// sockets in a private 0700 temp dir (the
+worker ranks' plan sockets: tcp:// with CURVE across hosts).
+
+Every socket that receives bounds the size of a message (`bound_message_size`): ZeroMQ reads
+the size before the body and drops the connection of a peer that announces more, so nothing
+buffers a message past the bound, whoever reaches the socket.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,18 @@ import zmq
 from zmq.auth.thread import ThreadAuthenticator
 
 from deepinfer.engine.trust import curve_keys
+
+# The largest message between the engine's own processes: far above any the engine sends (a
+# plan starting 64 sequences with 1M-token prompts holds 256 MiB of ids; a request body is at
+# most the API's 8 MiB), so only a broken or hostile peer meets it.
+MAX_MESSAGE_BYTES = 1 << 30
+
+
+def bound_message_size(sock: zmq.Socket, max_bytes: int) -> zmq.Socket:
+    """ZMQ_MAXMSGSIZE: a peer that sends a message over `max_bytes` is disconnected and the
+    message dropped unread. Set before bind/connect (connections made earlier keep no bound)."""
+    sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+    return sock
 
 
 class Endpoints(msgspec.Struct, frozen=True):
@@ -59,8 +77,9 @@ def push(ctx: zmq.Context, addr: str) -> zmq.Socket:
     return sock
 
 
-def pull(ctx: zmq.Context, addr: str) -> zmq.Socket:
-    sock = ctx.socket(zmq.PULL)
+def pull(ctx: zmq.Context, addr: str, max_bytes: int = MAX_MESSAGE_BYTES) -> zmq.Socket:
+    """A process's inbound socket (bound; messages over `max_bytes` are dropped)."""
+    sock = bound_message_size(ctx.socket(zmq.PULL), max_bytes)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(addr)
     return sock
@@ -75,7 +94,7 @@ def plan_sender(ctx: zmq.Context, addr: str, secret: bytes | None) -> zmq.Socket
         return push(ctx, addr)
     server_public, server_secret, client_public, _ = curve_keys(_required(secret))
     _admit_only(ctx, client_public)
-    sock = ctx.socket(zmq.PUSH)
+    sock = bound_message_size(ctx.socket(zmq.PUSH), MAX_MESSAGE_BYTES)  # it reads handshakes
     sock.setsockopt(zmq.LINGER, 0)
     sock.curve_server = True
     sock.curve_publickey, sock.curve_secretkey = server_public, server_secret
@@ -89,7 +108,7 @@ def plan_receiver(ctx: zmq.Context, addr: str, secret: bytes | None) -> zmq.Sock
     if not addr.startswith("tcp://"):
         return pull(ctx, addr)
     server_public, _, client_public, client_secret = curve_keys(_required(secret))
-    sock = ctx.socket(zmq.PULL)
+    sock = bound_message_size(ctx.socket(zmq.PULL), MAX_MESSAGE_BYTES)
     sock.setsockopt(zmq.LINGER, 0)
     sock.curve_serverkey = server_public
     sock.curve_publickey, sock.curve_secretkey = client_public, client_secret
