@@ -3,6 +3,11 @@
 It owns the launcher, sends GenerateRequest/Abort to the tokenizer process and routes each
 RequestOutput to the request's queue. A request whose consumer stops listening (client
 disconnect, cancellation) is aborted in every process.
+
+The output reader is the only way answers come back: a frame it cannot decode is logged and
+dropped (the reader goes on), and a reader that ends anyway fails the engine exactly as a dead
+process does (pending requests get their error, /health turns 503, the server exits), never
+silently (a server whose reader died used to stay healthy and answer nothing).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from deepinfer.engine.protocol import (
     RequestOutput,
     SchedulerStats,
 )
-from deepinfer.engine.runtime.ipc import Endpoints
+from deepinfer.engine.runtime.ipc import Endpoints, pull
 from deepinfer.engine.runtime.launcher import Launcher
 
 log = logging.getLogger("deepinfer.client")
@@ -48,9 +53,7 @@ class AsyncEngineClient:
         self._lora_answers: dict[str, asyncio.Future[LoRAUpdated]] = {}
         self._endpoints = Endpoints.create(config.tensor_parallel_size, config.dist_address())
         self._zmq = zmq.asyncio.Context()
-        self._in = self._zmq.socket(zmq.PULL)
-        self._in.setsockopt(zmq.LINGER, 0)
-        self._in.bind(self._endpoints.client_in)
+        self._in = pull(self._zmq, self._endpoints.client_in)
         self._out = self._zmq.socket(zmq.PUSH)
         self._out.setsockopt(zmq.LINGER, 0)
         self._out.connect(self._endpoints.tokenizer_in)
@@ -64,6 +67,8 @@ class AsyncEngineClient:
         self.kv_transfer_addresses: list[str] = []
         self.lora_load_seconds: dict[str, float] = {}
         self._reader: asyncio.Task | None = None
+        self._on_failure = None
+        self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
     async def start(self, on_failure=None) -> None:
@@ -82,19 +87,34 @@ class AsyncEngineClient:
         ready = self.launcher.ready_info.get("worker0", {})
         # Seconds each --lora-modules adapter took to load (the server's metric).
         self.lora_load_seconds = json.loads(ready.get("lora_load_seconds", "{}"))
+        self._on_failure = on_failure
         self._reader = asyncio.create_task(self._read_outputs())
+        self._reader.add_done_callback(self._reader_ended)
 
-        def failed(reason: str) -> None:
+        def failed(reason: str) -> None:  # the supervisor's thread
             self.dead_reason = reason
-            self._loop.call_soon_threadsafe(self._fail_all, reason)
-            if on_failure is not None:
-                self._loop.call_soon_threadsafe(on_failure, reason)
+            self._loop.call_soon_threadsafe(self._failed, reason)
 
         self.launcher.supervise(failed)
 
     @property
     def healthy(self) -> bool:
-        return self.dead_reason is None and self.launcher.alive()
+        reading = self._reader is not None and not self._reader.done()
+        return self.dead_reason is None and reading and self.launcher.alive()
+
+    def _failed(self, reason: str) -> None:
+        self._fail_all(reason)
+        if self._on_failure is not None:
+            self._on_failure(reason)
+
+    def _reader_ended(self, task: asyncio.Task) -> None:
+        if self._stopping or self.dead_reason is not None:  # shut down, or failed already
+            return
+        exc = None if task.cancelled() else task.exception()
+        why = repr(exc) if exc is not None else "cancelled"
+        log.error("the engine output reader stopped (%s); failing the engine", why,
+                  exc_info=exc)
+        self._failed(f"engine output reader stopped: {why}")
 
     def _fail_all(self, reason: str) -> None:
         self.dead_reason = reason
@@ -107,7 +127,13 @@ class AsyncEngineClient:
 
     async def _read_outputs(self) -> None:
         while True:
-            batch = self._decode(await self._in.recv())
+            frame = await self._in.recv()
+            try:
+                batch = self._decode(frame)
+            except msgspec.MsgspecError as exc:  # a bug or a stranger: not a reason to stop
+                log.error("dropped a malformed engine output frame (%d bytes): %s",
+                          len(frame), exc)
+                continue
             if batch.stats is not None:
                 self.stats = batch.stats
             for out in batch.outputs:
@@ -160,6 +186,7 @@ class AsyncEngineClient:
             await self._out.send(self._encode(Abort(request_ids)))
 
     async def shutdown(self) -> None:
+        self._stopping = True
         if self._reader is not None:
             self._reader.cancel()
         # Blocking on purpose (a few seconds at most): at interpreter exit no executor is left.
