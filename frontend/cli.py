@@ -114,7 +114,8 @@ def _serve(args: argparse.Namespace) -> int:
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout,
                  args.max_buffered_outputs, args.reasoning_parser, args.tool_call_parser,
-                 ui=not args.no_ui)
+                 ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
+                 allowed_origins=args.allowed_origins)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -244,6 +245,15 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: $DEEPINFER_API_KEY; unset: open)")
     serve.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                        help=_SECRET_HELP)
+    serve.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                       help="Host names served besides loopback ones and --host (a guard "
+                            "against DNS rebinding; '.example.com': it and its subdomains; "
+                            "'*': any). Bound to a non-loopback address, any name is served "
+                            "unless this is given")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="web origins (https://app.example.com) whose pages may call this "
+                            "server from a browser (CORS; '*': any); default: only the "
+                            "server's own page")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT: seconds requests in flight may take to finish "
                             "while new ones get 503 (default 30; 0: stop at once)")

@@ -16,6 +16,7 @@ from importlib import metadata
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -33,6 +34,7 @@ from deepinfer.frontend.server.openai.chat import create_chat_completion
 from deepinfer.frontend.server.openai.completions import create_completion
 from deepinfer.frontend.server.openai.objects import ModelCard, ModelList
 from deepinfer.frontend.server.openapi import openapi_document
+from deepinfer.frontend.server.origin_checks import BrowserGuard, OriginPolicy
 from deepinfer.frontend.server.responses.handlers import create_response, stored_response
 from deepinfer.frontend.server.state import EngineClient, ServerState
 from deepinfer.frontend.ui.routes import ui_routes
@@ -109,23 +111,30 @@ async def _openapi(state: ServerState, request: Request) -> Response:
     return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
+def _error_for(path: str, error: APIError) -> Response:
+    if path.startswith("/v1/messages"):  # Anthropic's clients read its shape
+        return error_response(error)
+    return error.response()
+
+
 async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
     # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
     error = APIError(str(exc.detail), exc.status_code, type=kind,
                      headers=dict(exc.headers or {}))
-    if request.url.path.startswith("/v1/messages"):  # Anthropic's clients read its shape
-        return error_response(error)
-    return error.response()
+    return _error_for(request.url.path, error)
 
 
 def build_app(
     state: ServerState,
     client_factory: Callable[[], EngineClient],
     on_failure: Callable[[str], None] | None = None,
+    origins: OriginPolicy | None = None,
 ) -> Starlette:
-    """The app; the engine client is made and started at startup, shut down at shutdown."""
+    """The app; the engine client is made and started at startup, shut down at shutdown.
+    `origins`: the Host/Origin checks (origin_checks.py; the server always has them, tests
+    that build the app alone may leave them out)."""
 
     def failed(reason: str) -> None:
         state.failure = reason
@@ -184,9 +193,9 @@ def build_app(
     ]
     if state.ui:  # the browser page at / (--no-ui: none)
         routes += ui_routes()
-    app = Starlette(
-        routes=routes, lifespan=lifespan, exception_handlers={HTTPException: _http_error}
-    )
+    guard = [Middleware(BrowserGuard, policy=origins, error=_error_for)] if origins else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=guard,
+                    exception_handlers={HTTPException: _http_error})
     app.state.start_engine = start
     return app
 

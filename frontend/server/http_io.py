@@ -70,13 +70,32 @@ async def read_body(request: Request, limit: int = DEFAULT_MAX_BODY_BYTES) -> by
     return request.state.body
 
 
+def require_json_body(request: Request) -> None:
+    """415 unless the body is declared JSON (`application/json`, `application/*+json`) or not
+    declared at all (programs that send none, as FastAPI accepts): an HTML form on any web page
+    can post a form or text body to a local server without the browser asking it first."""
+    declared = request.headers.get("content-type")
+    if declared is None:
+        return
+    media = declared.split(";", 1)[0].strip().lower()
+    if media == "application/json" or (media.startswith("application/")
+                                       and media.endswith("+json")):
+        return
+    raise APIError(f"Content-Type must be application/json, not {declared!r} (with curl: "
+                   f"-H 'Content-Type: application/json')", status=415, param="Content-Type",
+                   code="unsupported_media_type")
+
+
 async def read_json(request: Request, decode: Callable[[bytes], T]) -> T:
     """The body decoded into its typed request struct; a 400 naming the field otherwise."""
-    body = await read_body(request)
+    body = await read_body(request)  # read first: unread input would reset the connection
+    require_json_body(request)
     try:
         return decode(body)
     except msgspec.MsgspecError as exc:
         raise decode_error(exc) from None
+    except RecursionError:  # msgspec's own depth guard, in fields that take any JSON
+        raise APIError("invalid JSON body: nested too deeply") from None
 
 
 async def _wait_disconnect(receive: Receive) -> None:

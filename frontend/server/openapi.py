@@ -38,8 +38,11 @@ def _errors(*codes: int) -> dict[str, Any]:
         "schema": {"$ref": _REF.format(name="Error")}}}}
         for code, why in ((400, "invalid request (the message names the field)"),
                           (401, "missing or wrong API key (with --api-key)"),
+                          (403, "a Host name or a web page's origin this server does not "
+                                "serve (--allowed-hosts, --allowed-origins)"),
                           (404, "no such model"),
                           (413, "request body too large"),
+                          (415, "a body that is not declared application/json"),
                           (503, "overloaded, draining, or the engine is down"))
         if code in codes}
 
@@ -52,7 +55,7 @@ def _generation(name: str, summary: str, request: dict, response: dict) -> dict[
             "200": {"description": "the completion (or, with stream: true, its SSE events)",
                     "content": {"application/json": {"schema": response},
                                 "text/event-stream": {"schema": {"type": "string"}}}},
-            **_errors(400, 401, 404, 413, 503)}}}
+            **_errors(400, 401, 403, 404, 413, 415, 503)}}}
 
 
 def _plain_get(name: str, summary: str, content: dict[str, Any]) -> dict[str, Any]:
@@ -115,7 +118,8 @@ def _lora_update(name: str, summary: str, request: dict[str, Any]) -> dict[str, 
         "operationId": name, "summary": summary,
         "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
         "responses": {"200": {"description": summary, "content": {
-            "text/plain": {"schema": {"type": "string"}}}}, **_errors(400, 401, 404, 503)}}}
+            "text/plain": {"schema": {"type": "string"}}}},
+            **_errors(400, 401, 403, 404, 415, 503)}}}
 
 
 def openapi_document(version: str, api_key: bool) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from starlette.applications import Starlette
 from deepinfer.engine.chat_template import read_chat_template
 from deepinfer.engine.config import EngineConfig
 from deepinfer.frontend.server.app import build_app, start_engine
+from deepinfer.frontend.server.origin_checks import OriginPolicy
 from deepinfer.frontend.server.parsers.tool_calls.registry import format_for_template
 from deepinfer.frontend.server.state import ServerState
 
@@ -106,6 +107,8 @@ def serve(
     reasoning_parser: str | None = None,
     tool_call_parser: str | None = None,
     ui: bool = True,
+    allowed_hosts: list[str] | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> int:
     """Serve until a signal (exit code 0) or an engine failure (exit code 1). An engine that
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
@@ -130,7 +133,8 @@ def serve(
         if server is not None:
             server.should_exit = True
 
-    app = build_app(state, lambda: AsyncEngineClient(config), on_failure)
+    origins = OriginPolicy.create(host, allowed_hosts, allowed_origins)
+    app = build_app(state, lambda: AsyncEngineClient(config), on_failure, origins)
     uv_config = uvicorn.Config(
         app, host=host, port=port, loop="uvloop", log_level=log_level, access_log=access_log,
         timeout_graceful_shutdown=5, lifespan="on",
