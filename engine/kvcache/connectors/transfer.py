@@ -81,11 +81,12 @@ class KVTransfer(KVConnector):
         return len(self.held) + len(self.receiving)
 
     def has_plan(self) -> bool:
-        """Pulls to start or stop, or holds to announce, wait to be sent (a plan goes out for
-        them even with nothing to compute: a new hold must reach the ranks before a decode
-        server asks for it)."""
+        """Pulls to start or stop, or holds to announce or end, wait to be sent (a plan goes
+        out for them even with nothing to compute: a new hold must reach the ranks before a
+        decode server asks for it, and a released one must be refused at once, not from
+        whenever the next request comes)."""
         w = self._work
-        return bool(w.pulls or w.cancels or w.held)
+        return bool(w.pulls or w.cancels or w.held or w.released)
 
     def plan_entry(self) -> TransferWork | None:
         work, self._work = self._work, TransferWork()

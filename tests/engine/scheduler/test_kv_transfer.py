@@ -120,6 +120,25 @@ def test_the_ranks_learn_which_blocks_a_transfer_holds_in_the_next_plan():
     assert [unpack_ids(b).tolist() for b in hold.blocks] == held.block_ids
 
 
+def test_a_released_or_expired_hold_reaches_the_ranks_in_a_plan_of_its_own():
+    """A rank serves reads of a transfer until a plan says it was released: on an idle server
+    that plan must go out at once, not with the next request (a replayed pull was served
+    meanwhile)."""
+    s = make(hold=5.0)
+    clock = Clock()
+    transfer(s).clock = clock
+    done, late = prefill(s, "done"), prefill(s, "late", [99] + PROMPT[1:])
+    s.schedule()  # the ranks learn of both holds
+    s.connector_report(KVTransferDone(done.transfer_id, rank=0, blocks=5, bytes=100))
+    step = s.schedule()
+    assert step is not None and not step.plan.seqs
+    assert work(step).released == [done.transfer_id]
+    clock.now = 6.0  # "late" timed out: nobody came for it
+    step = s.schedule()
+    assert step is not None and work(step).released == [late.transfer_id]
+    assert free(s) == 32 and s.schedule() is None
+
+
 def test_a_stop_by_eos_or_a_longer_request_holds_nothing():
     s = make()
     s.add(TokenizedRequest("eos", pack_ids(PROMPT), SamplingParams(max_tokens=1,

@@ -4,7 +4,7 @@ with its cache tensors registered, and a decode rank READs a prefill rank's bloc
 its own ones (RDMA or CUDA IPC where the hardware has them, shared memory or TCP otherwise), one
 descriptor per tensor and run of blocks consecutive on both sides (per block, each descriptor
 costs the transport a copy of its own). The control messages stay on the ZeroMQ sockets
-(wire.py).
+(engine/kv_transfer_wire.py).
 
 Both sides derive their cache layout from the same model and spec (wire.group_tensors), so a
 remote block's address is its tensor's base address + block * block bytes. nixl is imported
@@ -25,7 +25,8 @@ _NIXL_MODULES = ("nixl", "nixl_cu12._api", "nixl_cu13._api")
 
 
 class NixlMeta(msgspec.Struct, array_like=True):
-    """A prefill rank's answer to wire.Meta: what a reader needs to read its blocks."""
+    """A prefill rank's answer to Meta (engine/kv_transfer_wire.py): what a reader needs to
+    read its blocks."""
 
     agent: bytes  # NIXL agent metadata (for add_remote_agent)
     mem: str  # "DRAM" or "VRAM"

@@ -7,11 +7,12 @@ The blocks a pull writes belong to no running request until it reports, so the s
 forwards meanwhile. Pulls run concurrently, each with its own deadline: one that gets no answer
 for `timeout` seconds fails its request with that reason (a dead prefill server) without
 holding up the others; a pull stops early when its request is aborted. Every message is
-authenticated both ways with the cluster secret (wire.py). A prefill rank that has not yet heard
-of the transfer (its plan is on the way) says so, and the pull asks again until its deadline.
+authenticated both ways with the cluster secret (engine/kv_transfer_wire.py). A prefill rank
+that has not yet heard of the transfer (its plan is on the way) says so, and the pull asks
+again until its deadline.
 
 With the NIXL backend the blocks do not come over the socket: the thread READs them itself
-(nixl_transport.py), between two checks of the transfer by the prefill rank (wire.py).
+(nixl_transport.py), between two checks of the transfer by the prefill rank.
 """
 
 from __future__ import annotations
@@ -30,9 +31,7 @@ import numpy as np
 import torch
 import zmq
 
-from deepinfer.engine.protocol import KVPull, KVTransferDone, pack_ids, unpack_ids
-from deepinfer.engine.runtime.ipc import push
-from deepinfer.workers.kv_connectors.transfer.wire import (
+from deepinfer.engine.kv_transfer_wire import (
     Meta,
     Read,
     ReadReply,
@@ -41,10 +40,13 @@ from deepinfer.workers.kv_connectors.transfer.wire import (
     seal_request,
     split_address,
 )
+from deepinfer.engine.protocol import KVPull, KVTransferDone, pack_ids, unpack_ids
+from deepinfer.engine.runtime.ipc import push
 
 # Pulls in flight at once per rank: enough that a few dead prefill servers waiting out their
 # deadlines leave the others flowing; each holds a socket per prefill rank it talks to.
 MAX_CONCURRENT_PULLS = 8
+_MAX_REPLY_HEADER = 16 << 20
 _RETRY_SECONDS = 0.01  # between two asks for a transfer the prefill rank does not hold yet
 
 
@@ -62,6 +64,9 @@ class KVPuller:
         self.zctx, self.tensors, self.rank = zctx, tensors, rank
         self.timeout, self.secret = timeout, secret
         self.on_gpu = any(t.is_cuda for ts in tensors for t in ts)
+        # A reply's largest frame: one cache tensor's blocks (at most all of ours), or a header
+        # (a NIXL agent's metadata).
+        self.max_reply = max([_MAX_REPLY_HEADER, *(t.nbytes for ts in tensors for t in ts)])
         self.jobs: queue.Queue[KVPull] = queue.Queue()
         self.lock = threading.Lock()
         self.active: set[str] = set()  # requests with a pull submitted and not yet reported
@@ -122,6 +127,7 @@ class KVPuller:
         if sock is None:
             sock = self.zctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.MAXMSGSIZE, self.max_reply)  # a bigger frame: dropped unread
             sock.connect(endpoint)
             sockets[endpoint] = sock
         return sock

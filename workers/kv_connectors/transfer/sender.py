@@ -5,8 +5,10 @@ Which blocks are held is the scheduler's business (engine/kvcache/transfer.py): 
 the thread of new holds (`hold`: a transfer id and its blocks) and of transfers released since
 (`release`, called by the step loop before a plan's forward, under the same lock as a read: once
 it returns no read of them is under way, so their blocks may be overwritten). A read is served
-only when its MAC says a member of the cluster sent it (wire.py), for a transfer held now, and
-only of that transfer's own blocks.
+only when its MAC says a member of the cluster sent it (engine/kv_transfer_wire.py), for a
+transfer held now, and only of that transfer's own blocks. A `Release` (from the decode rank
+that pulled it, or from the PD router when no decode server took it) ends a transfer here at
+once: the scheduler frees its blocks when every rank has reported it.
 
 With the NIXL backend the thread also owns a NIXL agent (nixl_transport.py): decode ranks read
 the blocks themselves and only ask it for its `Meta` and to check transfers.
@@ -25,20 +27,28 @@ import numpy as np
 import torch
 import zmq
 
-from deepinfer.engine.protocol import KVHold, KVTransferDone, unpack_ids
-from deepinfer.engine.runtime.ipc import push
-from deepinfer.workers.kv_connectors.transfer.wire import (
+from deepinfer.engine.kv_transfer_wire import (
+    REQUEST_OVERHEAD,
     Meta,
     Read,
     ReadReply,
     ToSender,
-    as_bytes,
     reply_mac,
     request_mac_ok,
 )
+from deepinfer.engine.protocol import KVHold, KVTransferDone, unpack_ids
+from deepinfer.engine.runtime.ipc import push
+from deepinfer.workers.kv_connectors.transfer.wire import as_bytes
 
 log = logging.getLogger("deepinfer.kv_transfer")
 _REMEMBER_RELEASED = 65536  # released transfer ids kept to refuse late reads
+
+
+def max_request_bytes(tensors: list[list[torch.Tensor]]) -> int:
+    """The largest frame a decode rank's request can be: a Read of every block of every KV
+    group (int32 ids), with its framing."""
+    blocks = max((t.shape[0] for group in tensors for t in group), default=0)
+    return REQUEST_OVERHEAD + 4 * blocks * max(len(tensors), 1)
 
 
 class KVSender(threading.Thread):
@@ -49,6 +59,10 @@ class KVSender(threading.Thread):
         self.report_to, self.secret = report_to, secret
         self.sock = zctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
+        # Any host that reaches the port may send: a frame larger than the largest request a
+        # decode rank can make (every block id of every group) is dropped with its connection
+        # as its size arrives, before it is buffered (its MAC is checked only once it is whole).
+        self.sock.setsockopt(zmq.MAXMSGSIZE, max_request_bytes(tensors))
         port = self.sock.bind_to_random_port(f"tcp://{host}")
         self.nonce = uuid.uuid4().hex[:12]
         self.address = f"tcp://{host}:{port}#{self.nonce}"
@@ -65,7 +79,8 @@ class KVSender(threading.Thread):
     def hold(self, holds: list[KVHold]) -> None:
         with self.lock:
             for h in holds:
-                self.held[h.transfer_id] = [np.sort(unpack_ids(b)) for b in h.blocks]
+                if h.transfer_id not in self.released:  # a Release can overtake its plan
+                    self.held[h.transfer_id] = [np.sort(unpack_ids(b)) for b in h.blocks]
 
     def release(self, transfer_ids: list[str]) -> None:
         with self.lock:
@@ -101,6 +116,9 @@ class KVSender(threading.Thread):
             with self.lock:
                 first, blocks, nbytes = self.progress.pop(msg.transfer_id,
                                                           (time.perf_counter(), 0, 0))
+            # Refused from now on, not from the scheduler's next plan (which may come late on
+            # an idle server): a replayed pull must not be served meanwhile.
+            self.release([msg.transfer_id])
             report.send(encode(KVTransferDone(
                 msg.transfer_id, self.rank, blocks, nbytes, time.perf_counter() - first,
                 cancelled=msg.cancelled)))

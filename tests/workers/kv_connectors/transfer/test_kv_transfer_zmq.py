@@ -21,16 +21,16 @@ import zmq
 
 from deepinfer.engine import config as engine_config
 from deepinfer.engine.config import EngineConfig, ModelConfigError
-from deepinfer.engine.protocol import KVHold, KVPull, KVTransferDone, pack_ids
-from deepinfer.engine.runtime.ipc import pull as bind_pull
-from deepinfer.workers.kv_connectors.transfer.puller import MAX_CONCURRENT_PULLS, KVPuller
-from deepinfer.workers.kv_connectors.transfer.sender import KVSender
-from deepinfer.workers.kv_connectors.transfer.wire import (
+from deepinfer.engine.kv_transfer_wire import (
     Read,
     ReadReply,
     seal_request,
     split_address,
 )
+from deepinfer.engine.protocol import KVHold, KVPull, KVTransferDone, pack_ids
+from deepinfer.engine.runtime.ipc import pull as bind_pull
+from deepinfer.workers.kv_connectors.transfer.puller import MAX_CONCURRENT_PULLS, KVPuller
+from deepinfer.workers.kv_connectors.transfer.sender import KVSender, max_request_bytes
 
 SECRET = b"test-cluster-secret"
 
@@ -172,6 +172,43 @@ def test_released_transfer_is_refused(link):
     done = link.report(link.pulled)
     assert "released" in done.error
     link.check_copied([[], [], []])  # nothing written
+
+
+def test_a_pulled_transfer_is_refused_as_soon_as_it_is_released(link):
+    """The decode side's Release ends the transfer on the prefill rank at once: a replayed
+    pull of it was served until the scheduler's next plan, which an idle server may not send
+    for a long time."""
+    link.pull("t5", PAIRS)
+    assert link.report(link.pulled).error is None
+    assert link.report(link.sent).transfer_id == "t5"  # the Release was handled
+    link.pull("t5", PAIRS, held=False)
+    assert "released" in (link.report(link.pulled).error or "")
+
+
+def test_an_oversize_message_is_dropped_with_its_connection_unread(link):
+    """Anyone who reaches a transfer socket may send to it, and a message's MAC is checked only
+    once it is whole: one larger than the largest read a decode rank can ask for (every block
+    of every group) is dropped with its connection as its size arrives, never buffered (512
+    MiB had taken a worker from 288 to 1312 MiB). The sender serves on."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    sock = link.zctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+    endpoint, _ = split_address(link.sender.address)
+    sock.connect(endpoint)
+    sock.send_multipart([b"\0" * (max_request_bytes(link.src) + 1), b"\0" * 32])
+    deadline = time.monotonic() + 10
+    while not monitor.poll(50):
+        assert not sock.poll(0), "the sender read the message and answered it"
+        assert time.monotonic() < deadline, "the sender kept the connection"
+    assert recv_monitor_message(monitor)["event"] == zmq.EVENT_DISCONNECTED
+    sock.disable_monitor()
+    sock.close(0)
+    every = [[(b, b) for b in range(NUM_BLOCKS)]] * 2 + [[]]
+    link.pull("t6", every)  # the largest legitimate read passes
+    assert link.report(link.pulled).error is None
+    link.check_copied(every)
 
 
 def test_restarted_sender_is_refused(link):
