@@ -13,6 +13,10 @@ A client that goes away, streaming or not, drops the request's connection to its
 then aborts the request (the server's own behaviour when its client leaves).
 /metrics shows placement and load per replica. The prefill/decode router (pd.py) is this one with
 two pools: it shares the health loop, `place` (choose, forward, retry) and the streaming relay.
+
+Every endpoint a server answers answers here too, with the same API key check (Bearer, or
+x-api-key on /v1/messages*) and the same request-body limit (413): GET /v1/models, /version and
+/openapi.json from any healthy replica; a LoRA adapter load or unload on every replica.
 """
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ from starlette.types import Receive, Scope, Send
 from deepinfer.frontend.auth import UNAUTHORIZED, authorized
 from deepinfer.frontend.router.kv_events import KVEventRouting
 from deepinfer.frontend.router.policy import Policy, Replica
-from deepinfer.frontend.server.http_io import run_until_disconnect
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.http_io import read_body, run_until_disconnect
 
 log = logging.getLogger("deepinfer.router")
 # Hop-by-hop and length headers are the router's own business, not the replica's.
@@ -177,18 +182,26 @@ class Router:
         does when its own client leaves (a stream ends the same way: see Relay)."""
         if not _authorized(self.api_key, request):
             return JSONResponse(UNAUTHORIZED, status_code=401)  # before reading any body
-        await request.body()  # read first: from then on, receive() only reports a disconnect
-        response = await run_until_disconnect(request, self.proxy(request))
+        try:
+            # Read first (from then on, receive() only reports a disconnect), and bounded as a
+            # server bounds it: a 413 past the same limit.
+            body = await read_body(request)
+        except APIError as exc:
+            return exc.response()
+        response = await run_until_disconnect(request, self.proxy(request, body))
         return Response(status_code=499) if response is None else response  # nobody reads it
 
-    async def proxy(self, request: Request) -> Response:
+    async def proxy(self, request: Request, body: bytes) -> Response:
         """Place an authorized request (`endpoint` checked its key) and return the answer."""
-        body = await request.body()
+        return await self.whole(request, body, self.replicas)
+
+    async def whole(self, request: Request, body: bytes, pool: list[Replica]) -> Response:
+        """The request, unchanged, to the replica of `pool` the policy picks (a stored
+        response's continuation: to the replica that has it)."""
         payload = json_or_none(body)
         path = request.url.path
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
         headers = forward_headers(request)
-        pool = self.replicas
         previous = payload.get("previous_response_id") if isinstance(payload, dict) else None
         if path == "/v1/responses" and isinstance(previous, str):
             owner = await self.owner(previous, headers)
@@ -308,16 +321,49 @@ class Router:
 
     # ------------------------------------------------------------------ other routes
 
-    async def models(self, request: Request) -> Response:
+    async def any_replica(self, request: Request) -> Response:
+        """GET /v1/models, /version, /openapi.json: every replica answers the same; the first
+        healthy one that can be reached does, with the client's own key (replicas may have
+        keys when the router has none)."""
         if not _authorized(self.api_key, request):
             return JSONResponse(UNAUTHORIZED, status_code=401)
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        headers = forward_headers(request)
         for r in [r for r in self.replicas if r.healthy]:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
-                async with self.session.get(f"{r.url}/v1/models", headers=headers) as resp:
+                async with self.session.get(f"{r.url}{request.url.path}",
+                                            headers=headers) as resp:
                     return Response(await resp.read(), resp.status,
-                                    media_type="application/json")
+                                    media_type=resp.headers.get("content-type"))
         return error(503, "no healthy replica")
+
+    async def every_replica(self, request: Request) -> Response:
+        """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the same change on every
+        replica, so that any of them can serve the adapter. Every replica's answer 2xx: the
+        first one's; else the first failure's (the replicas that did change stay changed: the
+        same request again, or its undoing, reaches every one)."""
+        if not _authorized(self.api_key, request):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
+        try:
+            body = await read_body(request)
+        except APIError as exc:
+            return exc.response()
+        headers = forward_headers(request)
+
+        async def one(r: Replica) -> Response:
+            try:
+                async with self.session.post(f"{r.url}{request.url.path}", data=body,
+                                             headers=headers) as resp:
+                    return Response(await resp.read(), resp.status,
+                                    media_type=resp.headers.get("content-type"))
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                return error(503, f"replica {r.url} could not be reached: {exc}")
+
+        answers = await asyncio.gather(*(one(r) for r in self.replicas))
+        failed = [a for a in answers if not 200 <= a.status_code < 300]
+        for r, a in zip(self.replicas, answers):
+            if not 200 <= a.status_code < 300:
+                log.warning("%s on %s answered %d", request.url.path, r.url, a.status_code)
+        return failed[0] if failed else answers[0]
 
     async def health(self, request: Request) -> Response:
         up = sum(r.healthy for r in self.replicas)
@@ -357,7 +403,11 @@ def build_router_app(router: Router) -> Starlette:
         Route("/v1/responses", router.endpoint, methods=["POST"]),
         Route("/v1/responses/{response_id}", router.stored_response,
               methods=["GET", "DELETE"]),
-        Route("/v1/models", router.models, methods=["GET"]),
+        Route("/v1/models", router.any_replica, methods=["GET"]),
+        Route("/version", router.any_replica, methods=["GET"]),
+        Route("/openapi.json", router.any_replica, methods=["GET"]),
+        Route("/v1/load_lora_adapter", router.every_replica, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", router.every_replica, methods=["POST"]),
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics, methods=["GET"]),
     ]

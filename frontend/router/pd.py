@@ -1,17 +1,25 @@
 """Prefill/decode disaggregation behind one endpoint: the router splits each request over a pool
 of prefill servers and a pool of decode servers (`deepinfer serve --disaggregation-mode ...`).
 
-A request first goes to a prefill server, the one the router's policy picks (cache-aware by
-default: where the prompt's prefix is cached), as a one-token, non-streaming request marked
-`"kv_transfer_params": {"do_remote_decode": true}`. That server computes the prompt, keeps its
-KV, and answers with the transfer details in a top-level "kv_transfer_params". The original
+A completion or chat request first goes to a prefill server, the one the router's policy picks
+(cache-aware by default: where the prompt's prefix is cached), as it came but not streamed and
+marked `"kv_transfer_params": {"do_remote_decode": true}`: that server checks every field as a
+decode server would (its own request validation, max_tokens and stream_options included: a bad
+request is its 400 before any KV is kept), computes the prompt and one token, keeps the KV, and
+answers with the transfer details in a top-level "kv_transfer_params". The original
 request then goes to the least-loaded decode server (its cost is the batch it decodes; the prompt
 arrives as KV, so a cached prefix there saves little) with that object added verbatim; the decode
 server pulls the KV and writes the whole response, which reaches the client as the
 data-parallel router relays it (frontend/router/app.py: the same health checks, retries and
 streaming). A decode server that fails before answering is skipped like a data-parallel replica
 and the next one gets the same kv_transfer_params: the prefill server holds the KV until one
-pulls it (up to its --kv-hold-timeout).
+pulls it. When none takes it (each refused it or failed, none could be reached, or the client
+left first), the router releases it at once, as a decode server that gives up does (a `Release`
+to each of the prefill server's transfer sockets, engine/kv_transfer_wire.py), instead of
+leaving it held until the prefill server's --kv-hold-timeout.
+
+Other requests (/v1/messages, count_tokens, /v1/responses: no kv_transfer_params there) go
+whole to a decode server, which computes the prompt itself.
 
 `kv_transfer_params` is the router's field: a client that sends it gets a 400. Every body the
 router writes with it carries the router's proof (an HMAC under the cluster secret the servers
@@ -31,19 +39,22 @@ from __future__ import annotations
 import json
 import logging
 
+import zmq
 from prometheus_client import Counter, Gauge
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from deepinfer.engine import envs
+from deepinfer.engine.kv_transfer_wire import sealed_release
 from deepinfer.engine.trust import ROUTER_HEADER, router_proof
-from deepinfer.frontend.auth import UNAUTHORIZED, authorized
 from deepinfer.frontend.router.app import Router, forward_headers, json_or_none, routing_text
 from deepinfer.frontend.router.policy import Policy
 
 log = logging.getLogger("deepinfer.router")
 DISAGGREGATED, FALLBACK = "disaggregated", "fallback"
 _PARAM = "kv_transfer_params"
+SPLIT = ("/v1/completions", "/v1/chat/completions")  # the paths that take kv_transfer_params
+_RELEASE_LINGER_MS = 2000  # how long a release may wait for its socket to connect
 CLIENT_PARAMS = {"error": {"message": f"{_PARAM} is set by the router, not by clients",
                            "type": "invalid_request_error", "param": _PARAM, "code": None}}
 
@@ -68,14 +79,10 @@ def decode_only(path: str, payload: object) -> bool:
 
 
 def prefill_body(payload: dict) -> bytes:
-    """The prefill server's request: the prompt and one token, not streamed, its KV kept for a
-    decode server."""
-    body = {k: v for k, v in payload.items() if k != "stream_options"}
-    body["max_tokens"] = 1
-    if "max_completion_tokens" in body:
-        body["max_completion_tokens"] = 1
-    body |= {"stream": False, _PARAM: {"do_remote_decode": True}}
-    return json.dumps(body).encode()
+    """The prefill server's request: the client's, every field kept so that the prefill server
+    checks them all (it generates one token whatever max_tokens says), not streamed, its KV
+    kept for a decode server."""
+    return json.dumps(payload | {"stream": False, _PARAM: {"do_remote_decode": True}}).encode()
 
 
 def signed(headers: dict[str, str], secret: bytes, path: str, body: bytes) -> dict[str, str]:
@@ -102,6 +109,10 @@ class PDRouter(Router):
         self.prefill = self.replicas[:len(prefill_urls)]
         self.decode = self.replicas[len(prefill_urls):]
         self.decode_policy = Policy("least_load")
+        self.zctx = zmq.Context.instance()
+        self.released = Counter(
+            "deepinfer_router_pd_released", "prefill holds the router released because no "
+            "decode server took them", registry=self.registry)
         self.pd_requests = Counter(
             "deepinfer_router_pd_requests", "requests served by a prefill then a decode server "
             "(disaggregated) or by a decode server alone (fallback)", ["path"],
@@ -114,18 +125,17 @@ class PDRouter(Router):
             for r in pool:
                 role.labels(r.url, name).set(1)
 
-    async def proxy(self, request: Request) -> Response:
-        if not authorized(self.api_key, request.url.path, request.headers.get("authorization")):
-            return JSONResponse(UNAUTHORIZED, status_code=401)
-        if not any(r.healthy for r in self.decode):  # else a prefill server holds KV for none
-            return self.unavailable(self.decode)
-        body = await request.body()
+    async def proxy(self, request: Request, body: bytes) -> Response:
         payload = json_or_none(body)
         if isinstance(payload, dict) and _PARAM in payload:
             return JSONResponse(CLIENT_PARAMS, status_code=400)
+        if request.url.path not in SPLIT:
+            return await self.whole(request, body, self.decode)
+        if not any(r.healthy for r in self.decode):  # else a prefill server holds KV for none
+            return self.unavailable(self.decode)
         path, headers = request.url.path, forward_headers(request)
         text = routing_text(path, payload)
-        route = FALLBACK
+        params = None
         if not decode_only(path, payload):
             headers["content-type"] = "application/json"  # the router writes the bodies now
             first = prefill_body(payload)
@@ -139,12 +149,39 @@ class PDRouter(Router):
             elif (params := transfer_params(prefill)) is not None:
                 body = json.dumps(payload | {_PARAM: params}).encode()
                 headers = signed(headers, self.secret, path, body)
-                route = DISAGGREGATED
-        self.pd_requests.labels(route).inc()
+        self.pd_requests.labels(FALLBACK if params is None else DISAGGREGATED).inc()
         stream = isinstance(payload, dict) and bool(payload.get("stream"))
-        response = await self.place(self.decode, self.decode_policy, text, path, body, headers,
-                                    stream)
+        response = None
+        try:
+            response = await self.place(self.decode, self.decode_policy, text, path, body,
+                                        headers, stream)
+        finally:  # cancelled too (the client left): the held KV waits for nobody
+            if params is not None and (response is None
+                                       or not 200 <= response.status_code < 300):
+                self.release(params)
         return self.unavailable(self.decode) if response is None else response
+
+    def release(self, params: dict) -> None:
+        """Tell each rank of the prefill server that holds `params`' KV that no decode server
+        will pull it. Sent in the background (ZeroMQ queues it while it connects)."""
+        transfer_id, addresses = params.get("transfer_id"), params.get("addresses")
+        if not isinstance(transfer_id, str) or not isinstance(addresses, list):
+            return
+        self.released.inc()
+        for address in addresses:
+            if not isinstance(address, str):
+                continue
+            endpoint, frames = sealed_release(self.secret, address, transfer_id)
+            sock = self.zctx.socket(zmq.DEALER)
+            try:
+                sock.setsockopt(zmq.LINGER, _RELEASE_LINGER_MS)
+                sock.connect(endpoint)
+                sock.send_multipart(frames, zmq.NOBLOCK)
+            except zmq.ZMQError as exc:
+                log.warning("could not release transfer %s at %s: %s", transfer_id, endpoint,
+                            exc)
+            finally:
+                sock.close()  # what it queued still goes, for up to the linger time
 
     async def health(self, request: Request) -> Response:
         """200 while each pool has a healthy server: a request needs one of each."""

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import signal
+import socket
 import time
 
 import httpx
@@ -354,3 +355,156 @@ def test_a_request_aborted_before_admission_frees_the_prefill_servers_hold(llama
         os.kill(worker, signal.SIGCONT)
     wait_idle(prefill, timeout=20)  # long before the 120 s hold timeout
     wait_idle(decode)
+
+
+def test_a_request_a_decode_server_would_refuse_is_refused_before_any_kv_is_held(llama):
+    """The prefill server sees every field the client sent (it had seen max_tokens as 1 and no
+    stream_options): what a decode server would refuse, it refuses before keeping any KV,
+    which a client could otherwise pin for the hold timeout with each bad request."""
+    prefill, prompt = llama.url("prefill"), prompt_text(51, 40)
+    chat = [{"role": "user", "content": prompt}]
+    cases = [
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 10**6}, "max_tokens"),
+        ("/v1/completions", {"prompt": prompt, "max_tokens": 8, "stream": True,
+                             "stream_options": {"include_usage": "yes"}}, "stream_options"),
+        ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 10**6},
+         "max_completion_tokens"),
+        ("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "stream": True,
+                                  "stream_options": {"usage": True}}, "stream_options"),
+    ]
+    for path, body, param in cases:
+        r = httpx.post(f"{llama.pd.base_url}{path}", json={"model": "tiny", **body}, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), r.text
+    wait_idle(prefill, llama.url("decode"), timeout=20)  # not the 120 s hold timeout
+
+
+class RefusingDecode:
+    """A stand-in decode server that never takes a transfer: it answers every request with
+    `status`, or ("wait") holds it until its client leaves."""
+
+    def __init__(self, status: int | str) -> None:
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        self.status, self.received = status, 0
+
+        async def complete(request):
+            await request.body()
+            self.received += 1
+            if self.status == "wait":
+                while (await request.receive())["type"] != "http.disconnect":
+                    pass
+            return JSONResponse({"error": {"message": "refused", "type": "x", "param": None,
+                                           "code": None}}, 503 if self.status == "wait"
+                                else self.status)
+
+        async def health(request):
+            return JSONResponse({"status": "ok"})
+
+        self.app = Starlette(routes=[Route("/v1/completions", complete, methods=["POST"]),
+                                     Route("/health", health)])
+
+
+@pytest.mark.parametrize("decode", [400, 503, "wait"])
+def test_a_hold_no_decode_server_takes_is_released_at_once(llama, decode, monkeypatch):
+    """The decode side refuses the request (a 400 for its own reason, a 503 from a full or
+    failing server), or the client leaves before it answers: the router releases the prefill
+    server's hold at once (it had stayed until --kv-hold-timeout, 120 s: four such requests
+    left 8 of 48 blocks free and the next good request waited 119.7 s)."""
+    from deepinfer.frontend.router.app import build_router_app
+    from deepinfer.frontend.router.pd import PDRouter
+    from deepinfer.frontend.router.policy import Policy
+    from tests.frontend.router.served import Served
+
+    monkeypatch.setenv("DEEPINFER_CLUSTER_SECRET", SECRET)
+    prefill, stub = llama.url("prefill"), RefusingDecode(decode)
+    refusing = Served(stub.app)
+    router = Served(build_router_app(PDRouter([prefill], [refusing.url], Policy())))
+    try:
+        body = json.dumps({"model": "tiny", "prompt": prompt_text(52, 60), "max_tokens": 8}
+                          ).encode()
+        if decode == "wait":
+            port = int(router.url.rsplit(":", 1)[1])
+            head = ["POST /v1/completions HTTP/1.1", "Host: 127.0.0.1",
+                    "Content-Type: application/json", f"Content-Length: {len(body)}"]
+            with socket.create_connection(("127.0.0.1", port)) as sock:
+                sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+                deadline = time.monotonic() + 30
+                while not stub.received:  # prefilled and handed to the decode side
+                    assert time.monotonic() < deadline, "never reached the decode server"
+                    time.sleep(0.02)
+                sock.shutdown(socket.SHUT_RDWR)
+        else:
+            r = httpx.post(f"{router.url}/v1/completions", content=body, timeout=60,
+                           headers={"content-type": "application/json"})
+            assert r.status_code == (400 if decode == 400 else 503)
+            assert stub.received == 1
+        wait_idle(prefill, timeout=20)  # long before the 120 s hold timeout
+    finally:
+        router.stop()
+        refusing.stop()
+
+
+def test_a_released_transfer_is_not_served_to_a_replayed_pull(llama):
+    """A decode request replayed with its router proof (valid for 5 minutes) pulled the same
+    transfer again: the prefill rank served it until its next plan."""
+    prefill, decode = llama.url("prefill"), llama.url("decode")
+    prompt = prompt_text(53, 50)
+    held = as_router(prefill, {
+        "model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()["kv_transfer_params"]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 4, "temperature": 0,
+            "kv_transfer_params": held}
+    assert as_router(decode, body).status_code == 200
+    wait_idle(prefill)  # pulled and released
+    r = as_router(decode, body)
+    assert r.status_code == 503 and "was released" in r.json()["error"]["message"], r.text
+    wait_idle(prefill, decode)
+
+
+def test_masked_tokens_logprobs_cross_to_the_decode_server(llama):
+    """Structured output masks most tokens: their logprob is -inf, which JSON carries as null;
+    the decode server refused the first token's logprobs (`Expected float, got null`)."""
+    body = {"model": "tiny", "prompt": prompt_text(54, 20), "max_tokens": 6, "temperature": 0,
+            "logprobs": 5, "response_format": {"type": "json_object"}}
+    ref = httpx.post(f"{llama.plain.base_url}/v1/completions", json=body, timeout=60)
+    out = httpx.post(f"{llama.pd.base_url}/v1/completions", json=body, timeout=60)
+    assert ref.status_code == 200 and out.status_code == 200, out.text
+    assert out.json()["choices"] == ref.json()["choices"]
+    wait_idle(llama.url("prefill"), llama.url("decode"))
+
+
+def test_every_endpoint_of_a_server_answers_through_both_routers(llama):
+    """Each path and method a server's OpenAPI document lists reaches a server through the PD
+    router and through a data-parallel router (one in this process, before the plain server):
+    never the router's own 404 or 405; and the requests that cannot be split (messages,
+    count_tokens, responses) are served whole (the PD router had added max_tokens and
+    kv_transfer_params, which they refuse)."""
+    from deepinfer.frontend.router.app import Router, build_router_app
+    from deepinfer.frontend.router.policy import Policy
+    from tests.frontend.router.served import Served
+
+    paths = httpx.get(f"{llama.plain.base_url}/openapi.json", timeout=10).json()["paths"]
+    dp = Served(build_router_app(Router([llama.plain.base_url], Policy())))
+    chat = [{"role": "user", "content": prompt_text(55, 12)}]
+    whole = [("/v1/messages", {"model": "tiny", "max_tokens": 4, "messages": chat}),
+             ("/v1/messages/count_tokens", {"model": "tiny", "messages": chat}),
+             ("/v1/responses", {"model": "tiny", "input": chat, "max_output_tokens": 4})]
+    try:
+        for base in (llama.pd.base_url, dp.url):
+            for path in [*paths, "/openapi.json"]:
+                for method in paths.get(path, {"get": None}):
+                    url = base + path.replace("{response_id}", "resp_none")
+                    r = httpx.request(method.upper(), url, timeout=60,
+                                      json={} if method == "post" else None)
+                    routed = "application/json" in r.headers.get("content-type", "") or \
+                        r.status_code not in (404, 405)
+                    assert routed, (base, method, path, r.status_code, r.text)
+            for path, body in whole:
+                r = httpx.post(f"{base}{path}", json=body, timeout=60)
+                ref = httpx.post(f"{llama.plain.base_url}{path}", json=body, timeout=60)
+                assert r.status_code == ref.status_code == 200, (base, path, r.text)
+    finally:
+        dp.stop()
+    wait_idle(llama.url("prefill"), llama.url("decode"))

@@ -16,6 +16,7 @@ prefill server of its cluster signed. Anything else is a 400 naming the field.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -68,7 +69,7 @@ def apply_kv_transfer(request: Request, raw: dict[str, Any] | None, params: Samp
                            "prompt computed here, not pulled from a prefill server",
                            param="prompt_logprobs")
         try:
-            remote = msgspec.convert(raw, KVTransferParams)
+            remote = msgspec.convert(_with_infinities(raw), KVTransferParams)
             check_params(secret, remote)
         except (msgspec.ValidationError, TrustError) as exc:
             raise APIError(f"{_PARAM}: {exc}", param=_PARAM) from None
@@ -78,6 +79,24 @@ def apply_kv_transfer(request: Request, raw: dict[str, Any] | None, params: Samp
                "(their --tensor-parallel-size must match)")
         return msgspec.structs.replace(params, remote_prefill=remote)
     return params
+
+
+def _with_infinities(raw: dict[str, Any]) -> dict[str, Any]:
+    """The parameters as the prefill server signed them: JSON has no -inf, so the logprob of a
+    token that structured output or a stop masked reached us as null (the signature, over the
+    original, still checks that nothing else changed)."""
+    first = raw.get("first_logprobs")
+    if not isinstance(first, list) or len(first) < 2:  # SampledLogprobs travels as an array
+        return raw
+
+    def restored(x: object) -> object:
+        return -math.inf if x is None else x
+
+    first = [*first]
+    first[1] = restored(first[1])
+    if len(first) > 3 and isinstance(first[3], list):
+        first[3] = [restored(x) for x in first[3]]
+    return raw | {"first_logprobs": first}
 
 
 def response_params(held: KVTransferParams | None, state: ServerState

@@ -8,12 +8,10 @@ import asyncio
 import json
 import re
 import socket
-import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -24,6 +22,7 @@ from deepinfer.frontend.router.app import build_router_app
 from deepinfer.frontend.router.pd import PDRouter
 from deepinfer.frontend.router.policy import Policy
 from scripts.server_process import free_port
+from tests.frontend.router.served import Served
 
 KEY = "sk-pd-test"
 SECRET = "pd-router-test-secret"
@@ -91,13 +90,29 @@ class Upstream:
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
+    async def info(self, request: Request) -> Response:
+        """GET /v1/models, /version, /openapi.json: who asked, with which key."""
+        self.auth.append(request.headers.get("authorization"))
+        return JSONResponse({"path": request.url.path, "role": self.role})
+
+    async def lora(self, request: Request) -> Response:
+        self.bodies.append(await request.body())
+        if self.fail_with:
+            return JSONResponse({"error": {"message": "no such adapter"}}, self.fail_with)
+        return Response(f"Success: {self.role}", media_type="text/plain")
+
     def app(self) -> Starlette:
         async def health(request: Request) -> Response:
             return JSONResponse({"status": "ok"})
 
-        return Starlette(routes=[Route("/v1/completions", self.complete, methods=["POST"]),
-                                 Route("/v1/chat/completions", self.complete, methods=["POST"]),
-                                 Route("/health", health)])
+        posts = ["/v1/completions", "/v1/chat/completions", "/v1/messages",
+                 "/v1/messages/count_tokens", "/v1/responses"]
+        return Starlette(routes=[
+            *(Route(path, self.complete, methods=["POST"]) for path in posts),
+            *(Route(path, self.info) for path in ("/v1/models", "/version", "/openapi.json")),
+            *(Route(f"/v1/{verb}_lora_adapter", self.lora, methods=["POST"])
+              for verb in ("load", "unload")),
+            Route("/health", health)])
 
 
 async def client_left(request: Request, within: float) -> bool:
@@ -111,27 +126,6 @@ async def client_left(request: Request, within: float) -> bool:
     except asyncio.TimeoutError:
         return False
     return True
-
-
-class Served:
-    """An ASGI app on a real local socket, in a thread."""
-
-    def __init__(self, app: Starlette) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]},
-                                       daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "did not start"
-            time.sleep(0.01)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,8 +190,8 @@ def test_a_request_is_prefilled_then_decoded_with_the_prefill_servers_kv_params(
     r = post(router, "/v1/completions", body)
     assert r.status_code == 200 and r.json() == DECODED
     [prefill] = stubs["prefill"].sent()
-    assert prefill == {**body, "max_tokens": 1, "stream": False,
-                       "kv_transfer_params": {"do_remote_decode": True}}
+    # Every field as the client sent it (the prefill server checks them all), not streamed.
+    assert prefill == {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     [decode] = stubs["decode"].sent()
     handed_over = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 7001,
                    "transfer_id": "t-1", "blocks": [[3, 4], [5]]}
@@ -217,9 +211,7 @@ def test_a_chat_stream_is_relayed_and_the_prefill_request_is_not_streamed(stubs,
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
     assert lines == [*EVENTS, "data: [DONE]"]
     [prefill] = stubs["prefill"].sent()
-    assert prefill == {"model": "m", "messages": body["messages"], "stream": False,
-                       "max_completion_tokens": 1, "max_tokens": 1,
-                       "kv_transfer_params": {"do_remote_decode": True}}
+    assert prefill == {**body, "stream": False, "kv_transfer_params": {"do_remote_decode": True}}
     [decode] = stubs["decode"].sent()
     assert decode.pop("kv_transfer_params")["do_remote_prefill"] is True
     assert decode == body  # stream and stream_options as the client sent them
@@ -376,3 +368,65 @@ def test_a_client_that_goes_away_drops_its_request_on_the_decode_server(stubs, r
     assert stubs["decode"].left == [True]
     labels = f'{{replica="{urls["decode"]}"}}'
     assert metric(router, "deepinfer_router_in_flight", labels) == 0.0
+
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+
+
+@pytest.mark.parametrize("path,body,headers", [
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": MESSAGES}, AUTH),
+    ("/v1/messages", {"model": "m", "max_tokens": 8, "messages": MESSAGES}, {"x-api-key": KEY}),
+    ("/v1/messages/count_tokens", {"model": "m", "messages": MESSAGES}, {"x-api-key": KEY}),
+    ("/v1/responses", {"model": "m", "input": "hi", "max_output_tokens": 8}, AUTH),
+])
+def test_requests_without_kv_transfer_params_go_whole_to_a_decode_server(stubs, router, path,
+                                                                         body, headers):
+    """The messages, count_tokens and responses request types take no kv_transfer_params (nor
+    max_tokens, for some): they reach one decode server unchanged, which computes the prompt.
+    An Anthropic client's x-api-key opens /v1/messages* as on a server."""
+    content = json.dumps(body).encode()
+    r = httpx.post(f"{router}{path}", content=content, timeout=30,
+                   headers={**headers, "content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert stubs["prefill"].bodies == [] and stubs["decode"].bodies == [content]
+
+
+def test_a_body_over_the_servers_limit_is_refused_before_anything_is_sent(stubs, router):
+    from deepinfer.frontend.server.http_io import DEFAULT_MAX_BODY_BYTES
+
+    prompt = "x" * DEFAULT_MAX_BODY_BYTES
+    r = post(router, "/v1/completions", {"model": "m", "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    assert stubs["prefill"].bodies == [] and stubs["decode"].bodies == []
+
+
+@pytest.mark.parametrize("path", ["/v1/models", "/version", "/openapi.json"])
+def test_a_router_without_a_key_passes_the_clients_key_on(stubs, upstreams, path):
+    """Replicas with keys behind a router without one: the client's key reaches them (the
+    router's own empty one did, and every /v1/models was a 401)."""
+    _, urls = upstreams
+    router, _ = start_router([urls["prefill"]], [urls["decode"]])
+    try:
+        r = httpx.get(f"{router.url}{path}", headers={"Authorization": "Bearer client"},
+                      timeout=10)
+        assert r.status_code == 200 and r.json()["path"] == path
+        assert [*stubs["prefill"].auth, *stubs["decode"].auth] == ["Bearer client"]
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("verb", ["load", "unload"])
+def test_a_lora_adapter_update_reaches_every_server(stubs, router, verb):
+    body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+    r = post(router, f"/v1/{verb}_lora_adapter", body)
+    assert r.status_code == 200 and r.text.startswith("Success")
+    assert stubs["prefill"].sent() == stubs["decode"].sent() == [body]
+    stubs["decode"].fail_with = 400
+    try:
+        r = post(router, f"/v1/{verb}_lora_adapter", body)
+    finally:
+        stubs["decode"].fail_with = None
+    assert r.status_code == 400 and r.json()["error"]["message"] == "no such adapter"
+    assert len(stubs["prefill"].bodies) == len(stubs["decode"].bodies) == 2
+    assert httpx.post(f"{router}/v1/{verb}_lora_adapter", json=body, timeout=10
+                      ).status_code == 401
