@@ -19,6 +19,7 @@ from deepinfer.engine.runtime.launcher import EngineStartupError
 from deepinfer.engine.settings import flag, settings
 from deepinfer.frontend.auth import resolve_api_key
 from deepinfer.frontend.router.policy import POLICIES
+from deepinfer.frontend.server.origin_checks import OriginPolicy
 from deepinfer.frontend.server.parsers.reasoning.registry import REASONING_PARSERS
 from deepinfer.frontend.server.parsers.tool_calls.registry import TOOL_CALL_PARSERS
 
@@ -102,7 +103,8 @@ def _serve(args: argparse.Namespace) -> int:
             _replica_args(args, config.model, ("worker_threads", "data_parallel_rank")),
             args.data_parallel_size, args.host, args.port, Policy(args.policy),
             config.worker_threads, resolve_api_key(args.api_key),
-            kv_events=(events, config.resolved_model_dir()) if events is not None else None)
+            kv_events=(events, config.resolved_model_dir()) if events is not None else None,
+            origins=_browser_policy(args))
     if disaggregated:
         from deepinfer.frontend.router.policy import Policy
         from deepinfer.frontend.router.server import serve_disaggregated
@@ -110,12 +112,31 @@ def _serve(args: argparse.Namespace) -> int:
         server_args = _replica_args(args, config.model, ("worker_threads", "disaggregation_mode"))
         return serve_disaggregated(server_args, args.prefill_servers, args.decode_servers,
                                    args.host, args.port, Policy(args.policy),
-                                   config.worker_threads, resolve_api_key(args.api_key))
+                                   config.worker_threads, resolve_api_key(args.api_key),
+                                   origins=_browser_policy(args))
     return serve(config, args.host, args.port, args.max_pending, args.log_level,
                  args.access_log, resolve_api_key(args.api_key), args.shutdown_timeout,
                  args.max_buffered_outputs, args.reasoning_parser, args.tool_call_parser,
                  ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
                  allowed_origins=args.allowed_origins)
+
+
+def _add_browser_flags(parser: argparse.ArgumentParser) -> None:
+    """--allowed-hosts and --allowed-origins (frontend/server/origin_checks.py), for servers and
+    routers alike."""
+    parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
+                        help="Host names served besides loopback ones and --host (a guard "
+                             "against DNS rebinding; '.example.com': it and its subdomains; "
+                             "'*': any). Bound to a non-loopback address, any name is served "
+                             "unless this is given")
+    parser.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                        help="web origins (https://app.example.com) whose pages may call this "
+                             "server from a browser (CORS; '*': any); default: only the "
+                             "server's own page")
+
+
+def _browser_policy(args: argparse.Namespace) -> OriginPolicy:
+    return OriginPolicy.create(args.host, args.allowed_hosts, args.allowed_origins)
 
 
 def _router(args: argparse.Namespace) -> int:
@@ -125,7 +146,8 @@ def _router(args: argparse.Namespace) -> int:
     policy = Policy(args.policy, args.cache_threshold, args.balance_abs_threshold)
     if args.prefill:
         return run_pd_router(args.prefill, args.decode, args.host, args.port, policy,
-                             args.health_interval, args.log_level, resolve_api_key(args.api_key))
+                             args.health_interval, args.log_level, resolve_api_key(args.api_key),
+                             _browser_policy(args))
     kv_events = None
     if args.kv_events:
         events = EngineConfig(kv_events_config=args.kv_events).kv_events()  # checked alike
@@ -135,7 +157,8 @@ def _router(args: argparse.Namespace) -> int:
         model = EngineConfig(model=model_store.ensure_model(args.tokenizer))
         kv_events = (events, model.resolved_model_dir())
     return run_router(args.worker, args.host, args.port, policy, args.health_interval,
-                      args.log_level, resolve_api_key(args.api_key), kv_events)
+                      args.log_level, resolve_api_key(args.api_key), kv_events,
+                      _browser_policy(args))
 
 
 def usage_problem(args: argparse.Namespace) -> str | None:
@@ -245,15 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "default: $DEEPINFER_API_KEY; unset: open)")
     serve.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                        help=_SECRET_HELP)
-    serve.add_argument("--allowed-hosts", nargs="+", default=None, metavar="NAME",
-                       help="Host names served besides loopback ones and --host (a guard "
-                            "against DNS rebinding; '.example.com': it and its subdomains; "
-                            "'*': any). Bound to a non-loopback address, any name is served "
-                            "unless this is given")
-    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
-                       help="web origins (https://app.example.com) whose pages may call this "
-                            "server from a browser (CORS; '*': any); default: only the "
-                            "server's own page")
+    _add_browser_flags(serve)
     serve.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT: seconds requests in flight may take to finish "
                             "while new ones get 503 (default 30; 0: stop at once)")
@@ -300,6 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                              "(default: $DEEPINFER_API_KEY)")
     router.add_argument("--cluster-secret-file", default=None, metavar="FILE",
                         help=_SECRET_HELP)
+    _add_browser_flags(router)
     router.add_argument("--kv-events", default=None, metavar="CONFIG",
                         help="place requests by the replicas' KV cache events: the JSON the "
                              "replicas were given as --kv-events-config (the i-th --worker "

@@ -30,6 +30,7 @@ from collections.abc import AsyncIterator, Callable
 import aiohttp
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -38,8 +39,10 @@ from starlette.types import Receive, Scope, Send
 from deepinfer.frontend.auth import UNAUTHORIZED, authorized
 from deepinfer.frontend.router.kv_events import KVEventRouting
 from deepinfer.frontend.router.policy import Policy, Replica
+from deepinfer.frontend.server.app import error_in_api_shape
 from deepinfer.frontend.server.errors import APIError
 from deepinfer.frontend.server.http_io import read_body, run_until_disconnect
+from deepinfer.frontend.server.origin_checks import BrowserGuard, OriginPolicy
 
 log = logging.getLogger("deepinfer.router")
 # Hop-by-hop and length headers are the router's own business, not the replica's.
@@ -380,7 +383,9 @@ class Router:
         return Response(generate_latest(self.registry), media_type="text/plain; version=0.0.4")
 
 
-def build_router_app(router: Router) -> Starlette:
+def build_router_app(router: Router, origins: OriginPolicy | None = None) -> Starlette:
+    """The router's ASGI app; `origins`: the Host and Origin checks of a server's edge
+    (frontend/server/origin_checks.py), none when None (a router inside a test)."""
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
         router.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
@@ -411,4 +416,5 @@ def build_router_app(router: Router) -> Starlette:
         Route("/health", router.health, methods=["GET"]),
         Route("/metrics", router.metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes, lifespan=lifespan)
+    guard = [Middleware(BrowserGuard, policy=origins, error=error_in_api_shape)] if origins else []
+    return Starlette(routes=routes, lifespan=lifespan, middleware=guard)

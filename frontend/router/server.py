@@ -21,12 +21,17 @@ from deepinfer.engine.config import KVEventsConfig
 from deepinfer.frontend.router.app import Router, build_router_app
 from deepinfer.frontend.router.pd import PDRouter
 from deepinfer.frontend.router.policy import Policy
+from deepinfer.frontend.server.origin_checks import OriginPolicy
 
 log = logging.getLogger("deepinfer.router")
 
 
-def _run(router: Router, host: str, port: int, log_level: str) -> int:
-    uvicorn.run(build_router_app(router), host=host, port=port, log_level=log_level,
+def _run(router: Router, host: str, port: int, log_level: str,
+         origins: OriginPolicy | None) -> int:
+    """`origins`: the Host and Origin checks a server's edge makes (None: the defaults for
+    `host`)."""
+    origins = origins or OriginPolicy.create(host)
+    uvicorn.run(build_router_app(router, origins), host=host, port=port, log_level=log_level,
                 access_log=False)
     return 0
 
@@ -34,7 +39,8 @@ def _run(router: Router, host: str, port: int, log_level: str) -> int:
 def run_router(urls: list[str], host: str, port: int, policy: Policy,
                health_interval: float = 1.0, log_level: str = "info",
                api_key: str | None = None,
-               kv_events: tuple[KVEventsConfig, str] | None = None) -> int:
+               kv_events: tuple[KVEventsConfig, str] | None = None,
+               origins: OriginPolicy | None = None) -> int:
     """`kv_events`: (the replicas' --kv-events-config, the model directory to tokenize with):
     place by the blocks their events say they cache."""
     log.info("routing %s over %d replicas: %s", policy.name, len(urls), ", ".join(urls))
@@ -45,16 +51,17 @@ def run_router(urls: list[str], host: str, port: int, policy: Policy,
         events = KVEventRouting(urls, *kv_events)
         log.info("following KV events: %s",
                  ", ".join(s.endpoint for s in events.follower.sources))
-    return _run(Router(urls, policy, health_interval, api_key, events), host, port, log_level)
+    return _run(Router(urls, policy, health_interval, api_key, events), host, port, log_level,
+                origins)
 
 
 def run_pd_router(prefill_urls: list[str], decode_urls: list[str], host: str, port: int,
                   policy: Policy, health_interval: float = 1.0, log_level: str = "info",
-                  api_key: str | None = None) -> int:
+                  api_key: str | None = None, origins: OriginPolicy | None = None) -> int:
     log.info("prefill on %s (%s), decode on %s (least load)", ", ".join(prefill_urls),
              policy.name, ", ".join(decode_urls))
     router = PDRouter(prefill_urls, decode_urls, policy, health_interval, api_key)
-    return _run(router, host, port, log_level)
+    return _run(router, host, port, log_level, origins)
 
 
 def free_port() -> int:
@@ -116,7 +123,8 @@ def local_servers(serve_args: list[list[str]], api_key: str | None,
 def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int,
                         policy: Policy, worker_threads: int | None,
                         api_key: str | None = None, start_timeout: float = 600.0,
-                        kv_events: tuple[KVEventsConfig, str] | None = None) -> int:
+                        kv_events: tuple[KVEventsConfig, str] | None = None,
+                        origins: OriginPolicy | None = None) -> int:
     """Start `size` replicas (`deepinfer serve` with `replica_args`, each on a free local
     port), wait until each is healthy, then route on host:port until a signal; the replicas
     stop with the router. `kv_events` (the replicas' --kv-events-config, the model directory):
@@ -126,12 +134,14 @@ def serve_data_parallel(replica_args: list[str], size: int, host: str, port: int
     if kv_events is not None:
         argvs = [[*args, "--data-parallel-rank", str(i)] for i in range(size)]
     with local_servers(argvs, api_key, start_timeout) as urls:
-        return run_router(urls, host, port, policy, api_key=api_key, kv_events=kv_events)
+        return run_router(urls, host, port, policy, api_key=api_key, kv_events=kv_events,
+                          origins=origins)
 
 
 def serve_disaggregated(server_args: list[str], prefill: int, decode: int, host: str,
                         port: int, policy: Policy, worker_threads: int | None,
-                        api_key: str | None = None, start_timeout: float = 600.0) -> int:
+                        api_key: str | None = None, start_timeout: float = 600.0,
+                        origins: OriginPolicy | None = None) -> int:
     """Start `prefill` prefill and `decode` decode servers (`deepinfer serve` with
     `server_args`, which must not set --disaggregation-mode: each gets its role here), wait
     until each is healthy, then run the prefill/decode router on host:port until a signal;
@@ -141,4 +151,4 @@ def serve_disaggregated(server_args: list[str], prefill: int, decode: int, host:
     argvs = [[*server_args, *threads, "--disaggregation-mode", role] for role in roles]
     with local_servers(argvs, api_key, start_timeout) as urls:
         return run_pd_router(urls[:prefill], urls[prefill:], host, port, policy,
-                             api_key=api_key)
+                             api_key=api_key, origins=origins)

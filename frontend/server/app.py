@@ -111,7 +111,8 @@ async def _openapi(state: ServerState, request: Request) -> Response:
     return Response(msgspec.json.encode(doc), media_type="application/json")
 
 
-def _error_for(path: str, error: APIError) -> Response:
+def error_in_api_shape(path: str, error: APIError) -> Response:
+    """`error` as the API at `path` shapes its errors (the routers answer alike)."""
     if path.startswith("/v1/messages"):  # Anthropic's clients read its shape
         return error_response(error)
     return error.response()
@@ -123,7 +124,7 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     # A 405 keeps Starlette's Allow header (RFC 9110 requires it).
     error = APIError(str(exc.detail), exc.status_code, type=kind,
                      headers=dict(exc.headers or {}))
-    return _error_for(request.url.path, error)
+    return error_in_api_shape(request.url.path, error)
 
 
 def build_app(
@@ -193,7 +194,7 @@ def build_app(
     ]
     if state.ui:  # the browser page at / (--no-ui: none)
         routes += ui_routes()
-    guard = [Middleware(BrowserGuard, policy=origins, error=_error_for)] if origins else []
+    guard = [Middleware(BrowserGuard, policy=origins, error=error_in_api_shape)] if origins else []
     app = Starlette(routes=routes, lifespan=lifespan, middleware=guard,
                     exception_handlers={HTTPException: _http_error})
     app.state.start_engine = start

@@ -430,3 +430,42 @@ def test_a_lora_adapter_update_reaches_every_server(stubs, router, verb):
     assert len(stubs["prefill"].bodies) == len(stubs["decode"].bodies) == 2
     assert httpx.post(f"{router}/v1/{verb}_lora_adapter", json=body, timeout=10
                       ).status_code == 401
+
+
+@pytest.mark.parametrize("kind", ["pd", "dp"])
+def test_routers_make_the_servers_host_and_origin_checks(stubs, upstreams, monkeypatch, kind):
+    """A router answers browsers as a server does (frontend/server/origin_checks.py): a rebound
+    Host name and another site's page are refused before anything reaches a replica, in the
+    API's own error shape; programs (no Origin) and --allowed-origins pass. Before, the routers
+    had no such checks: a page could drive every server behind one."""
+    from deepinfer.frontend.router import server as router_server
+
+    apps: list[Starlette] = []
+    monkeypatch.setattr(router_server.uvicorn, "run", lambda app, **kw: apps.append(app))
+    _, urls = upstreams
+    allowed = router_server.OriginPolicy.create("127.0.0.1", None, ["https://app.example"])
+    if kind == "pd":
+        router_server.run_pd_router([urls["prefill"]], [urls["decode"]], "127.0.0.1", 0,
+                                    Policy(), api_key=KEY, origins=allowed)
+    else:
+        router_server.run_router([urls["decode"]], "127.0.0.1", 0, Policy(), api_key=KEY,
+                                 origins=allowed)
+    served = Served(apps[0])
+    body = {"model": "m", "prompt": "hi", "max_tokens": 4}
+    try:
+        r = post(served.url, "/v1/completions", body)
+        assert r.status_code == 200, r.text  # a program: no Origin, a loopback Host
+        r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=10,
+                       headers={**AUTH, "Host": "evil.example:8000"})
+        assert r.status_code == 403 and "Host" in r.json()["error"]["message"]
+        sent = len(stubs["decode"].bodies)
+        r = httpx.post(f"{served.url}/v1/messages", timeout=10, json={"model": "m"},
+                       headers={**AUTH, "Origin": "https://evil.example"})
+        assert r.status_code == 403 and r.json()["type"] == "error"  # Anthropic's shape
+        assert len(stubs["decode"].bodies) == sent
+        r = httpx.post(f"{served.url}/v1/completions", json=body, timeout=10,
+                       headers={**AUTH, "Origin": "https://app.example"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == \
+            "https://app.example"
+    finally:
+        served.stop()
