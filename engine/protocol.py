@@ -610,6 +610,9 @@ class StepResult(msgspec.Struct, tag=True, **_STRUCT):
     sample_ms: float = 0.0
     # One per seq whose plan asked prompt_logprobs, in plan order.
     prompt_logprobs: list[PromptChunkLogprobs] = []
+    # LoRA adapter -> why it could not be read back for this step (evicted, then its files
+    # gone, damaged or changed): its rows ran without it, so its requests in the step fail.
+    lora_errors: dict[str, str] = {}
 
 
 # ---------------------------------------------------------------- children -> launcher

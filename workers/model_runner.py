@@ -32,8 +32,8 @@ from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
 from deepinfer.workers.loader import DTYPES, load_model
-from deepinfer.workers.lora.adapters import CURRENT, LoRAError, step_adapters, step_slots
-from deepinfer.workers.lora.resident import ResidentAdapters
+from deepinfer.workers.lora.adapters import CURRENT, step_adapters, step_slots
+from deepinfer.workers.lora.resident import ResidentAdapters, load_failure
 from deepinfer.workers.sample.prompt_logprobs import prompt_logprobs
 from deepinfer.workers.sample.sampler import Sampler, SamplingState
 from deepinfer.workers.sample.step import NewTokens, SeqToSample, rows_of, sample_step
@@ -82,6 +82,7 @@ class ModelRunner:
         # and CUDA graphs know nothing of them.
         self.lora = ResidentAdapters(self.model, config.lora_adapters(), config.max_lora_rank,
                                      config.max_cpu_loras) if config.enable_lora else None
+        self.lora_errors: dict[str, str] = {}  # this step's adapters that could not be read
         if self.lora is not None:
             for module in self.model.modules():
                 if hasattr(module, "fast_layers"):
@@ -169,21 +170,21 @@ class ModelRunner:
             return None
         try:
             seconds = self.lora.add(msg.name, msg.path)
-        except LoRAError as exc:
-            return LoRAUpdated(msg.request_id, str(exc))
-        except Exception as exc:  # e.g. damaged files: the adapter is refused, the rank lives
-            return LoRAUpdated(msg.request_id, f"{msg.path}: cannot read the adapter ({exc})")
+        except Exception as exc:  # noqa: BLE001 (e.g. damaged files: refused, the rank lives)
+            return LoRAUpdated(msg.request_id, load_failure(msg.path, exc))
         try:  # the scheduler's salt of its cache ids, from the files read here
             return LoRAUpdated(msg.request_id, seconds=seconds,
                                salt=adapter_salt(msg.name, msg.path))
         except OSError as exc:  # gone meanwhile
             self.lora.remove(msg.name)
-            return LoRAUpdated(msg.request_id, f"{msg.path}: cannot read the adapter ({exc})")
+            return LoRAUpdated(msg.request_id, load_failure(msg.path, exc))
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
         if self.lora is None:
             return self._forward(batch)
-        step_slots(batch, self.lora.use(step_adapters(batch)), self.device)
+        # An adapter that cannot be read back: its rows run without it, its requests fail.
+        slots, self.lora_errors = self.lora.use(step_adapters(batch))
+        step_slots(batch, slots, self.device)
         try:
             return self._forward(batch)
         finally:
@@ -209,7 +210,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        self.lora_errors = {}
         result = self._execute(plan)
+        result.lora_errors = self.lora_errors  # the scheduler fails these adapters' requests
         for connector in self.connectors:  # e.g. save the blocks this forward computed
             entry = plan.connectors.get(connector.name)
             if entry is not None:

@@ -351,10 +351,25 @@ class Scheduler:
         return self._build_plan(chosen)
 
     def _running_adapters(self) -> set[str] | None:
-        """The LoRA adapters the running requests use (None: no --max-loras to keep)."""
+        """The LoRA adapters the running requests use, and those whose KV is being loaded or
+        received (they join the batch when it lands); None: no --max-loras to keep."""
         if self.config.max_loras is None:
             return None
-        return {r.params.lora for r in self.running if r.params.lora is not None}
+        joining = (Status.RUNNING, Status.LOADING, Status.RECEIVING)
+        return {r.params.lora for r in self.requests.values()
+                if r.params.lora is not None and r.status in joining}
+
+    def _fail_lora_rows(self, step: ScheduledStep, errors: dict[str, str]) -> list[TokenDelta]:
+        """The step's requests of an adapter the workers could not read back (its rows ran
+        without it): each fails alone, caching nothing of what it computed."""
+        failed = []
+        for req, _ in step.scheduled:
+            why = errors.get(req.params.lora) if req.params.lora is not None else None
+            if why is not None and req.status != Status.FINISHED:
+                self._finish(req, FinishReason.ABORT)
+                failed.append(self._reject(req.request_id, "the LoRA adapter "
+                                           f"{req.params.lora!r} cannot be served: {why}"))
+        return failed
 
     def _admit_from_connector(self, req: Request) -> bool | None:
         """A connector's admission of a request whose KV comes from outside (see
@@ -410,7 +425,7 @@ class Scheduler:
         sampled = unpack_ids(result.sampled_ids)
         counts = unpack_ids(result.num_sampled) if result.num_sampled else None
         drafts = unpack_ids(result.num_drafts) if result.num_drafts else None
-        deltas: list[TokenDelta] = []
+        deltas = self._fail_lora_rows(step, result.lora_errors) if result.lora_errors else []
         k = pos = 0
         prompt_pieces = iter(result.prompt_logprobs)
         for req, seq in step.scheduled:

@@ -23,7 +23,8 @@ ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_pro
 GREEDY = dict(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
 
 
-def make_adapter(base, out, seed: int, rank: int, targets: list[str], rslora: bool = False):
+def make_adapter(base, out, seed: int, rank: int, targets: list[str], rslora: bool = False,
+                 **config_fields):
     """A PEFT LoRA adapter of `base` with random, non-zero A and B (a trained one's shape)."""
     import peft
     from transformers import AutoModelForCausalLM
@@ -31,7 +32,8 @@ def make_adapter(base, out, seed: int, rank: int, targets: list[str], rslora: bo
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=targets,
-                             use_rslora=rslora, lora_dropout=0.0, init_lora_weights=False)
+                             use_rslora=rslora, lora_dropout=0.0, init_lora_weights=False,
+                             **config_fields)
     peft_model = peft.get_peft_model(model, config)
     with torch.no_grad():  # large enough to change greedy choices
         for name, p in peft_model.named_parameters():
@@ -90,6 +92,59 @@ def test_a_mixed_batch_gives_each_request_its_adapters_output(setup, limits):
         outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
     assert_as_peft(base, adapters, prompts, loras, outs)
     assert outs[1].token_ids != outs[0].token_ids  # the adapters really change the output
+
+
+def test_per_module_ranks_and_alphas_serve_as_peft(setup, tmp_path):
+    """rank_pattern / alpha_pattern give modules their own rank and alpha (so scale), with and
+    without rsLoRA: each request of a mixed batch as HF + PEFT (tokens and logprobs)."""
+    base, _ = setup
+    patterns = dict(rank_pattern={"q_proj": 12, "model.layers.1.mlp.down_proj": 2},
+                    alpha_pattern={"o_proj": 40, r"layers\.0\..*v_proj": 1})
+    adapters = {"p": make_adapter(base, tmp_path / "p", 21, 4, ALL, **patterns),
+                "r": make_adapter(base, tmp_path / "r", 22, 6, ALL, rslora=True, **patterns)}
+    rng = np.random.default_rng(21)
+    prompts = [rng.integers(3, 40000, n).tolist() for n in (15, 9, 12)]
+    loras = ["p", "r", None]
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True,
+             lora_modules=[f"{k}={v}" for k, v in adapters.items()]) as llm:
+        outs = llm.generate(prompts, [SamplingParams(lora=lo, **GREEDY) for lo in loras])
+    assert_as_peft(base, adapters, prompts, loras, outs)
+
+
+def test_an_adapter_read_back_gone_or_changed_fails_its_requests_alone(setup, tmp_path):
+    """One adapter resident at a time: x's files replaced by other weights after x was evicted
+    (its cached prefix names the old ones), then y's directory deleted after y was evicted: each
+    one's request fails naming the problem, a base-model request sent with it answers as HF, and
+    the engine serves on."""
+    base, adapters = setup
+    x, y, z = (shutil.copytree(adapters[k], tmp_path / n) for k, n in (("a", "x"), ("b", "y"),
+                                                                       ("a", "z")))
+    rng = np.random.default_rng(22)
+    prompt, other = rng.integers(3, 40000, 33).tolist(), rng.integers(3, 40000, 10).tolist()
+
+    def together(llm, lora: str) -> Exception:
+        """The adapter's request (it must fail) and a base-model one sent with it."""
+        with ThreadPoolExecutor(2) as pool:
+            failing = pool.submit(llm.generate, [prompt], SamplingParams(lora=lora, **GREEDY))
+            plain = pool.submit(llm.generate, [other], SamplingParams(**GREEDY))
+            assert plain.result()[0].token_ids == peft_greedy(base, None, other, 12)[0]
+            return failing.exception()
+
+    with LLM(str(base), num_kv_blocks=64, block_size=4, enable_lora=True, max_loras=1,
+             max_cpu_loras=1, lora_modules=[f"x={x}", f"y={y}", f"z={z}"]) as llm:
+        first = llm.generate([prompt], SamplingParams(lora="x", **GREEDY))[0]
+        assert first.token_ids == peft_greedy(base, adapters["a"], prompt, 12)[0]
+        llm.generate([other], SamplingParams(lora="y", **GREEDY))  # x evicted
+        for file in ("adapter_config.json", "adapter_model.safetensors"):
+            shutil.copy(adapters["b"] / file, x / file)
+        error = together(llm, "x")
+        assert error is not None and "files changed since it was loaded" in str(error)
+        llm.generate([other], SamplingParams(lora="z", **GREEDY))  # y evicted
+        shutil.rmtree(y)
+        error = together(llm, "y")
+        assert error is not None and "not a PEFT LoRA adapter" in str(error)
+        again = llm.generate([prompt], SamplingParams(lora="z", **GREEDY))[0]
+    assert again.token_ids == first.token_ids  # z holds a's weights
 
 
 def test_the_prefix_cache_keeps_adapters_apart(setup):

@@ -1,10 +1,11 @@
 """LoRA adapters in PEFT's format (adapter_config.json + adapter_model.safetensors), attached to
 a loaded model's linears, and the low-rank products they add in a mixed batch.
 
-An adapter changes a linear W into W + scale * B A (A: [r, in], B: [out, r]; scale lora_alpha / r,
-or lora_alpha / sqrt(r) with rsLoRA, as PEFT computes it). Each attached adapter has a slot; each
+An adapter changes a linear W into W + scale * B A (A: [r, in], B: [out, r]; each module's scale
+as PEFT computes it, workers/lora/peft_files.py). Each attached adapter has a slot; each
 linear an adapter targets keeps every slot's A and B stacked (`SlotStacks`: ranks zero-padded to
---max-lora-rank, a fused q|k|v or gate|up linear's parts side by side), so one call per linear
+the largest rank the linear has held, a fused q|k|v or gate|up linear's parts side by side),
+so one call per linear
 adds every row's own product: the grouped shrink (x A^T) and expand (B^T, scale folded in) of
 kernels/cpu/lora.py (a native kernel) or kernels/triton/lora.py (CUDA). Which slot each row of a
 step uses is `CURRENT` (set by the runner around the forward); a linear no adapter targets runs
@@ -13,28 +14,19 @@ untouched, as does every row of the base model (slot -1).
 
 from __future__ import annotations
 
-import json
-import math
-import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from torch import nn
 
 from deepinfer.kernels.cpu import lora as cpu_lora
 from deepinfer.workers.distributed.parallel_state import tp
 from deepinfer.workers.layers.linear import Linear, MergedLinear, RowParallelLinear
+from deepinfer.workers.lora.peft_files import AdapterFiles, LoRAError
 
-# PEFT's module names this engine maps onto its linears.
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-_KEY = re.compile(r"(?:base_model\.model\.)?(.*\.(\w+_proj))\.lora_([AB])\.weight$")
-
-
-class LoRAError(ValueError):
-    """An adapter that cannot be served (its message names the problem)."""
+__all__ = ["CURRENT", "LoRAError", "attach", "detach", "step_adapters", "step_slots"]
 
 
 class StepSlots(threading.local):
@@ -54,48 +46,16 @@ def step_adapters(batch) -> set[str]:
 
 
 def step_slots(batch, slot_of: dict[str, int], device: torch.device) -> None:
-    """Set CURRENT for a step from each adapter's slot (None when no row uses one)."""
+    """Set CURRENT for a step from each adapter's slot (None when no row uses one; an adapter
+    without a slot, one that could not be attached: -1, the base model)."""
     slots = None
     for r in batch.rows:
         adapter = r.state.params.lora
         if adapter is not None:
             if slots is None:
                 slots = torch.full((len(batch.input_ids),), -1, dtype=torch.int32)
-            slots[r.first_row:r.first_row + r.num_rows] = slot_of[adapter]
+            slots[r.first_row:r.first_row + r.num_rows] = slot_of.get(adapter, -1)
     CURRENT.slots = None if slots is None else slots.to(device)
-
-
-def read_adapter(path: str | Path, max_rank: int) -> tuple[float, dict[str, tuple]]:
-    """(scale, {PEFT module path: (A, B)}) of a PEFT adapter; raises LoRAError."""
-    path = Path(path)
-    config_file, weights_file = path / "adapter_config.json", path / "adapter_model.safetensors"
-    if not config_file.is_file() or not weights_file.is_file():
-        raise LoRAError(f"{path}: not a PEFT LoRA adapter (adapter_config.json and "
-                        "adapter_model.safetensors expected)")
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type", "LORA") != "LORA":
-        raise LoRAError(f"{path}: a {config.get('peft_type')} adapter, not LoRA")
-    rank, alpha = int(config["r"]), float(config.get("lora_alpha", config["r"]))
-    if rank > max_rank:
-        raise LoRAError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
-    scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for key, tensor in load_file(str(weights_file)).items():
-        if ".experts." in key:
-            raise LoRAError(f"{path}: adapts MoE experts ({key}), which is not supported yet "
-                            "(attention and dense MLP projections are)")
-        m = _KEY.match(key)
-        if m is None:
-            raise LoRAError(f"{path}: unexpected tensor {key} (only LoRA A/B weights are served)")
-        if m[2] not in TARGETS:
-            raise LoRAError(f"{path}: target module {m[2]} is not supported (one of "
-                            f"{', '.join(TARGETS)})")
-        pairs.setdefault(m[1], {})[m[3]] = tensor.float()
-    for name, ab in pairs.items():
-        if set(ab) != {"A", "B"} or ab["A"].shape[0] > max_rank:
-            raise LoRAError(f"{path}: {name} needs lora_A and lora_B of rank at most "
-                            f"{max_rank}")
-    return scale, {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}
 
 
 @dataclass
@@ -106,13 +66,12 @@ class _Product:
     b: torch.Tensor  # [size, r], scale folded in
 
 
-def attach(model: nn.Module, slot: int, path: str | Path, max_rank: int) -> None:
-    """Load the adapter at `path` into `slot` of `model`'s linears (whatever the slot held is
-    cleared); raises LoRAError (nothing changes then)."""
-    scale, weights = read_adapter(path, max_rank)
+def attach(model: nn.Module, slot: int, path: str | Path, adapter: AdapterFiles) -> None:
+    """Put `adapter` (read from `path`) into `slot` of `model`'s linears (whatever the slot
+    held is cleared); raises LoRAError (nothing changes then)."""
     modules = dict(model.named_modules())
     plan: list[_Product] = []
-    for module_path, (a, b) in weights.items():
+    for module_path, (a, b) in adapter.products.items():
         for old, new in model.checkpoint_renames.items():
             module_path = module_path.replace(old, new)
         leaf = module_path.rpartition(".")[2]
@@ -133,10 +92,10 @@ def attach(model: nn.Module, slot: int, path: str | Path, max_rank: int) -> None
             raise LoRAError(f"{path}: {module_path}{'.' + part if part else ''} has A "
                             f"{tuple(a.shape)} and B {tuple(b.shape)}, the model's linear "
                             f"takes {linear.in_features} -> {size} (another base model?)")
-        plan.append(_Product(linear, index, a, b * scale))
+        plan.append(_Product(linear, index, a, b))
     detach(model, slot)
     for p in plan:
-        _stacks(p.linear, max_rank).put(slot, p.part, p.a, p.b)
+        _stacks(p.linear).put(slot, p.part, p.a, p.b)
     # Every linear with adapters holds as many slots: a step's slots index them all.
     every = [m.lora_stacks for m in model.modules() if hasattr(m, "lora_stacks")]
     count = max(s.a.shape[0] for s in every)
@@ -178,16 +137,17 @@ def _dtype(linear: Linear) -> torch.dtype:
 
 class SlotStacks:
     """One linear's adapters, by slot: a [S, P*R, in] (the parts' A side by side) and per part
-    b [S, size, R]; grown as slots are used."""
+    b [S, size, R]; grown as slots are used, and R as a larger rank arrives (padding every
+    adapter to --max-lora-rank would cost its memory and time for nothing)."""
 
-    def __init__(self, linear: Linear, rank: int) -> None:
-        self.rank = rank
+    def __init__(self, linear: Linear) -> None:
+        self.rank = 0
         self.offsets = [off for off, _ in _parts(linear).values()]
         self.sizes = [size for _, size in _parts(linear).values()]
         self.in_features = linear.in_features
         self.device, self.dtype = linear.weight.device, _dtype(linear)
-        self.a = self._zeros(0, len(self.sizes) * rank, self.in_features)
-        self.bs = [self._zeros(0, size, rank) for size in self.sizes]
+        self.a = self._zeros(0, 0, self.in_features)
+        self.bs = [self._zeros(0, size, 0) for size in self.sizes]
         self.used: set[int] = set()  # slots with a product here
 
     def _zeros(self, *shape: int) -> torch.Tensor:
@@ -200,10 +160,23 @@ class SlotStacks:
             self.a = torch.cat([self.a, self._zeros(grow, *self.a.shape[1:])])
             self.bs = [torch.cat([b, self._zeros(grow, *b.shape[1:])]) for b in self.bs]
 
+    def _widen(self, rank: int) -> None:
+        """Room for products of `rank` (the stacks' ranks zero-padded to it)."""
+        count, parts = self.a.shape[0], len(self.sizes)
+        a = self._zeros(count, parts * rank, self.in_features)
+        for p in range(parts):
+            a[:, p * rank:p * rank + self.rank] = self.a[:, p * self.rank:(p + 1) * self.rank]
+        self.a = a
+        self.bs = [torch.cat([b, self._zeros(count, b.shape[1], rank - self.rank)], 2)
+                   for b in self.bs]
+        self.rank = rank
+
     def put(self, slot: int, part: int, a: torch.Tensor, b: torch.Tensor) -> None:
         if slot >= self.a.shape[0]:  # room for this slot, and as many again
             self.reserve(max(slot + 1, 2 * self.a.shape[0]))
         r = a.shape[0]
+        if r > self.rank:
+            self._widen(r)
         rows = slice(part * self.rank, part * self.rank + r)
         self.a[slot, rows] = a.to(self.device, self.dtype)
         self.bs[part][slot, :, :r] = b.to(self.device, self.dtype)
@@ -229,10 +202,10 @@ class SlotStacks:
             cpu_lora.lora_delta_(y, x.contiguous(), slots, self.a, self.bs, self.offsets)
 
 
-def _stacks(linear: Linear, rank: int) -> SlotStacks:
+def _stacks(linear: Linear) -> SlotStacks:
     """The linear's SlotStacks, its forward wrapped the first time."""
     if not hasattr(linear, "lora_stacks"):
-        linear.lora_stacks = SlotStacks(linear, rank)
+        linear.lora_stacks = SlotStacks(linear)
         base = linear.forward
         # Split over tensor-parallel ranks by input: the products join the partial sums.
         reduce = isinstance(linear, RowParallelLinear) and linear.tp.world > 1
