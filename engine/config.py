@@ -387,6 +387,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                      "--allow-runtime-lora-updating needs --enable-lora")
             return
         for name, path in adapters.items():
+            # A request's `model` naming it would reach the base model instead.
+            _require(name not in (self.model_name(), self.model),
+                     f"--lora-modules {name}=...: {name!r} is the served model's name (give "
+                     "the adapter another)")
             _require(Path(path, "adapter_config.json").is_file(),
                      f"--lora-modules {name}={path}: not a PEFT adapter directory "
                      "(no adapter_config.json)")

@@ -83,8 +83,9 @@ def _route(state: ServerState, name: str, handler: Handler,
 async def _models(state: ServerState, request: Request) -> Response:
     cards = [ModelCard(state.model_name, state.created, max_model_len=state.context_len,
                        root=state.model_name)]
-    cards += [ModelCard(name, state.created, max_model_len=state.context_len, root=path,
-                        parent=state.model_name) for name, path in state.lora_adapters.items()]
+    # An adapter's root is its name, not its directory: no server paths to clients.
+    cards += [ModelCard(name, state.created, max_model_len=state.context_len, root=name,
+                        parent=state.model_name) for name in state.lora_adapters]
     return Response(msgspec.json.encode(ModelList(cards)), media_type="application/json")
 
 

@@ -98,6 +98,11 @@ class ServerState:
             code="model_not_found",
         )
 
+    def response_model(self, name: str | None) -> str:
+        """The `model` a response names: the LoRA adapter the request picked (as vLLM
+        answers), else the served model's name."""
+        return self.check_model(name) or self.model_name
+
     def admit(self, count: int) -> None:
         """Take `count` slots of the bounded queue, or raise 503 (retry later)."""
         if self.draining:

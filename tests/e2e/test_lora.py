@@ -184,6 +184,11 @@ def test_bad_adapters_are_refused_at_start_naming_the_problem(setup, tmp_path):
                 llm.generate([[5, 6]], SamplingParams(**GREEDY))
     with pytest.raises(ModelConfigError, match="--enable-lora"):
         EngineConfig(model=str(base), lora_modules=[f"a={adapters['a']}"]).check_lora()
+    # A request naming it would reach the base model: refused at start.
+    for served, name in ((None, base.name), ("tiny", "tiny"), ("tiny", str(base))):
+        with pytest.raises(ModelConfigError, match="is the served model's name"):
+            EngineConfig(model=str(base), served_model_name=served, enable_lora=True,
+                         lora_modules=[f"{name}={adapters['a']}"]).check_lora()
     for limits in ({"max_cpu_loras": 1}, {"max_cpu_loras": 1, "max_loras": 2}):
         with pytest.raises(ModelConfigError, match="--max-cpu-loras needs --max-loras"):
             EngineConfig(model=str(base), enable_lora=True, **limits).check_lora()
@@ -227,6 +232,8 @@ def test_the_server_picks_the_adapter_by_model_and_lists_it(setup, server):
     tokenizer = AutoTokenizer.from_pretrained(base)
     prompt = np.random.default_rng(2).integers(3, 40000, 17).tolist()
     assert served_models(server) == [("tiny", None), ("a", "tiny"), ("b", "tiny")]
+    listing = httpx.get(f"{server.base_url}/v1/models").text
+    assert str(adapters["a"]) not in listing and str(base) not in listing  # no server paths
     for name in ("tiny", "a", "b"):
         expected = peft_greedy(base, adapters.get(name), prompt, 12)[0]
         assert complete(server, name, prompt)["text"] == tokenizer.decode(expected)
@@ -243,6 +250,24 @@ def test_the_server_picks_the_adapter_by_model_and_lists_it(setup, server):
             line = f'deepinfer_lora_{metric}_total{{adapter="{name}"}} {float(value)}'
             assert line in metrics, line
     assert 'adapter="tiny"' not in metrics  # the base model is not an adapter
+    # Each response names the adapter that answered (as vLLM's do), or the served model.
+    for name, path in (("a", "/v1/chat/completions"), ("b", "/v1/completions"),
+                       (str(base), "/v1/completions"), ("a", "/v1/responses"),
+                       ("b", "/v1/messages")):
+        body = {"model": name, "max_tokens": 2, "stream": False}
+        if path == "/v1/completions":
+            body["prompt"] = "hi"
+        elif path == "/v1/responses":
+            body = {"model": name, "input": "hi", "max_output_tokens": 2}
+        else:
+            body["messages"] = [{"role": "user", "content": "hi"}]
+        for stream in (False, True):
+            body["stream"] = stream
+            r = httpx.post(f"{server.base_url}{path}", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            want = "tiny" if name == str(base) else name
+            assert f'"model":"{want}"' in r.text.replace(" ", ""), (path, stream, r.text)
+            assert '"model":"tiny"' not in r.text.replace(" ", "") or want == "tiny"
 
 
 def test_an_adapter_loaded_at_run_time_serves_in_a_mixed_batch(setup, server, tmp_path):

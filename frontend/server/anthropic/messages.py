@@ -74,7 +74,7 @@ async def create_message(state: ServerState, request: Request) -> Response | SSE
     turns = await run.results(request)
     if turns is None:
         return Response(status_code=499)
-    body = message_body(rid, state.model_name, turns[0], run.usage())
+    body = message_body(rid, run.model, turns[0], run.usage())
     return Response(_encode(body), media_type="application/json")
 
 
@@ -86,7 +86,7 @@ def _sse(events: list[Event]) -> bytes:
 async def _events(run: ChatRun, rid: str) -> AsyncGenerator[bytes, None]:
     events = MessageEvents()
     try:
-        yield _sse(events.start(rid, run.state.model_name, run.usage()))
+        yield _sse(events.start(rid, run.model, run.usage()))
         async for d in run.deltas():
             if chunk := events.feed(d):
                 yield _sse(chunk)

@@ -53,7 +53,7 @@ async def create_chat_completion(state: ServerState, request: Request) -> Respon
             logprobs=chat_logprobs(t.logprobs) if req.logprobs else None,
             finish_reason=t.finish_reason,
         ))
-    body = ChatCompletion(rid, run.created, state.model_name, choices, run.usage(),
+    body = ChatCompletion(rid, run.created, run.model, choices, run.usage(),
                           kv_transfer_params=response_params(turns[0].kv_transfer, state))
     if req.prompt_logprobs is not None:  # top level, as vLLM: the choices share the prompt
         body.prompt_logprobs = prompt_logprobs_out(turns[0].prompt_logprobs, req.prompt_logprobs)
@@ -72,7 +72,7 @@ async def _events(run: ChatRun, rid: str) -> AsyncGenerator[bytes, None]:
     req = run.req
 
     def chunk(choices: list[ChatChunkChoice], **kw) -> bytes:
-        return sse_event(_encode(ChatCompletionChunk(rid, run.created, run.state.model_name,
+        return sse_event(_encode(ChatCompletionChunk(rid, run.created, run.model,
                                                      choices, **kw)))
 
     try:

@@ -72,7 +72,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
     echoes = [(f.prompt_text or "") if req.echo else "" for f in firsts]
     created = int(time.time())
     if req.stream:
-        return SSEResponse(_events(gen, req, rid, created, state.model_name, echoes, n))
+        return SSEResponse(_events(gen, req, rid, created, lora or state.model_name, echoes, n))
     results = await run_until_disconnect(request, collect(gen))
     if results is None:
         return Response(status_code=499)
@@ -87,7 +87,7 @@ async def create_completion(state: ServerState, request: Request) -> Response | 
         if req.prompt_logprobs is not None:
             choice.prompt_logprobs = prompt_logprobs_out(r.prompt_logprobs, req.prompt_logprobs)
         choices.append(choice)
-    out = Completion(rid, created, state.model_name, choices, usage=gen.usage(n),
+    out = Completion(rid, created, lora or state.model_name, choices, usage=gen.usage(n),
                      kv_transfer_params=response_params(results[0].kv_transfer, state))
     return Response(_encode(out), media_type="application/json")
 

@@ -68,7 +68,8 @@ async def _create(state: ServerState, request: Request) -> Response | SSERespons
     items = earlier + parse_items(req.input)
     chat = decode_chat_dict(chat_request(req, items))
     store = req.store is not False and state.responses.enabled
-    base = base_response(req, new_id("resp"), int(time.time()), state.model_name, store)
+    base = base_response(req, new_id("resp"), int(time.time()), state.response_model(chat.model),
+                         store)
     run = await start_chat(state, request, chat, base.id)
 
     def keep(response: ResponseObject) -> None:

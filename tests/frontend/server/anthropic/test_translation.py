@@ -285,6 +285,7 @@ class _FailingRun:
     """A run whose engine fails after one delta (what ChatRun.deltas raises then)."""
 
     state = ServerState(max_pending=1)
+    model = "tiny"  # what the response names
     closed = False
 
     def usage(self) -> Usage:
