@@ -52,15 +52,15 @@ def version() -> str:
 
 
 def _route(state: ServerState, name: str, handler: Handler,
-           error: Callable[[APIError], Response] | None = None):
+           error: Callable[[APIError], Response] | None = None, guarded: bool = False):
     """Wrap a handler: APIError -> OpenAI error body (or `error`'s shape), crash -> 500, count
-    every status."""
+    every status. `guarded`: the key is wanted outside /v1 too (frontend/auth.py)."""
     respond = error or APIError.response
 
     async def endpoint(request: Request) -> Response | SSEResponse:
         if state.api_key and not authorized(state.api_key, request.url.path,
                                             request.headers.get("authorization"),
-                                            request.headers.get("x-api-key")):
+                                            request.headers.get("x-api-key"), guarded):
             state.metrics.requests.labels(name, "401").inc()
             if error is not None:
                 return error(APIError("unauthorized", 401, code="invalid_api_key"))
@@ -189,7 +189,8 @@ def build_app(
         Route("/v1/unload_lora_adapter",
               _route(state, "unload_lora_adapter", unload_lora_adapter), methods=["POST"]),
         Route("/health", _route(state, "health", _health), methods=["GET"]),
-        Route("/metrics", _route(state, "metrics", _metrics), methods=["GET"]),
+        # With --api-key, the key too: the adapters' names and the traffic are no one's else.
+        Route("/metrics", _route(state, "metrics", _metrics, guarded=True), methods=["GET"]),
         Route("/version", _route(state, "version", _version), methods=["GET"]),
         Route("/openapi.json", _route(state, "openapi", _openapi), methods=["GET"]),
     ]

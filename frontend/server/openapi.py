@@ -159,10 +159,10 @@ def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
         },
         "components": {"schemas": schemas},
     }
-    if api_key:  # /v1 routes want the key; /health, /metrics and /version stay open
+    if api_key:  # /v1 routes and /metrics want the key; /health and /version stay open
         doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
         for path, item in doc["paths"].items():
-            if path.startswith("/v1/"):
+            if path.startswith("/v1/") or path == "/metrics":
                 for op in item.values():
                     op["security"] = [{"bearer": []}]
     _messages_api(doc, api_key)

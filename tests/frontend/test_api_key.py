@@ -28,6 +28,11 @@ def test_v1_routes_want_the_key_and_health_does_not(server):
                        headers={"Authorization": "Bearer nope"})
     assert wrong.status_code == 401 and wrong.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{url}/health", timeout=10).status_code == 200
+    # /metrics names the LoRA adapters and the traffic: the key too (a Prometheus scrape sends
+    # it as a Bearer token).
+    assert httpx.get(f"{url}/metrics", timeout=10).status_code == 401
+    scrape = httpx.get(f"{url}/metrics", timeout=10, headers={"Authorization": "Bearer s3cret"})
+    assert scrape.status_code == 200 and "deepinfer_" in scrape.text
     client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret")
     out = client.completions.create(model="tiny", prompt="Hello", max_tokens=3)
     assert out.choices[0].finish_reason in ("length", "stop")

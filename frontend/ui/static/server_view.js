@@ -1,6 +1,8 @@
 // The server view: this server's /metrics read every few seconds, shown as cards (requests,
 // KV cache per tier, prefix-cache hits) and a chart of generated tokens per second.
 
+import { apiFetch } from "./api.js";
+
 const INTERVAL_MS = 3000;
 const WINDOW_S = 300;
 
@@ -45,7 +47,7 @@ export class ServerView {
 
   async poll() {
     try {
-      const response = await fetch("/metrics");
+      const response = await apiFetch("/metrics");  // (with --api-key, /metrics wants it)
       if (!response.ok) throw new Error(`HTTP ${response.status}`);
       const metrics = parseMetrics(await response.text());
       const t = performance.now() / 1000;
