@@ -3,7 +3,8 @@ of its stream.
 
 A stream opens content blocks in the order the model writes them: each change of kind (thinking,
 text, a tool call) closes the open block and opens the next, and each tool call is a block of
-its own whose input arrives as `input_json_delta` fragments that concatenate to its JSON.
+its own whose input arrives as `input_json_delta` fragments that concatenate to its JSON. A whole
+message lists its blocks in the same order (the turn's `parts`).
 """
 
 from __future__ import annotations
@@ -66,10 +67,9 @@ def message_body(rid: str, model: str, turn: Turn, usage: Usage) -> MessageOut:
     content: list[ThinkingOut | TextOut | ToolUseOut] = []
     if turn.reasoning:  # only a reasoning parser sets it
         content.append(ThinkingOut(turn.reasoning))
-    if turn.content:
-        content.append(TextOut(turn.content))
-    content.extend(ToolUseOut(tool_use_id(c.id), c.name, tool_input(c.arguments))
-                   for c in turn.calls)
+    content.extend(TextOut(p) if isinstance(p, str) else
+                   ToolUseOut(tool_use_id(p.id), p.name, tool_input(p.arguments))
+                   for p in turn.parts)
     reason = stop_reason(turn.finish_reason, turn.stop_reason)
     return MessageOut(id=rid, model=model, content=content, stop_reason=reason,
                       stop_sequence=_sequence(reason, turn.stop_reason),

@@ -4,8 +4,11 @@ OpenAI responses): a validated `ChatCompletionRequest` in, the assistant's turns
 `start_chat` resolves tools, grammar, sampling, template kwargs and KV transfer, admits the
 engine requests and waits for their first outputs (a bad prompt is a 400 before any byte is
 sent). The `ChatRun` it returns gives each choice's whole `Turn` (`results`), or `TurnDelta`s
-as they arrive (`deltas`): reasoning, content and tool-call fragments already split apart by
-the reasoning and tool-call parsers. Endpoints only translate shapes.
+as they arrive (`deltas`): reasoning, content and tool calls already split apart by the
+reasoning and tool-call parsers. A delta holds content or calls, not both, so the order the
+model wrote them in survives; a whole turn keeps that order too (`parts`), so an API whose
+answer is a list of blocks or items lists them alike whole and streamed. Endpoints only
+translate shapes.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from deepinfer.frontend.server.parsers.reasoning.base import END as REASONING_EN
 from deepinfer.frontend.server.parsers.reasoning.base import ReasoningDelta, ReasoningParser
 from deepinfer.frontend.server.parsers.reasoning.registry import REASONING_PARSERS
 from deepinfer.frontend.server.parsers.tool_calls.call_log import ToolCall, ToolCallDelta
-from deepinfer.frontend.server.parsers.tool_calls.parser import ToolCallParser
+from deepinfer.frontend.server.parsers.tool_calls.parser import ParsedDelta, ToolCallParser
 from deepinfer.frontend.server.parsers.tool_calls.tools import ToolSetup, parse_tools
 from deepinfer.frontend.server.state import ServerState
 
@@ -57,6 +60,14 @@ class Turn:
     stop_reason: str | None  # the stop string that ended it
     kv_transfer: KVTransferParams | None = None
     prompt_logprobs: list[PromptLogprob] = field(default_factory=list)  # when asked
+    # content and calls in the order written (runs of text merged): what block-shaped answers
+    # (Anthropic's content, Responses' output items) list after the reasoning; not given, the
+    # content then the calls
+    parts: list[str | ToolCall] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            self.parts = [*([self.content] if self.content else []), *self.calls]
 
 
 @dataclass
@@ -88,12 +99,36 @@ class _Reasoning:
         return out.merge(self.parsers[i].finish()) if final else out
 
 
+def _runs(parsed: ParsedDelta) -> list[ParsedDelta]:
+    """`parsed` cut where it turns from content to calls or back (at least one, maybe empty)."""
+    runs: list[ParsedDelta] = []
+    for part in parsed.parts:
+        if runs and isinstance(part, str) == isinstance(runs[-1].parts[-1], str):
+            runs[-1].parts.append(part)
+        else:
+            runs.append(ParsedDelta([part]))
+    return runs or [ParsedDelta()]
+
+
 def _finish_reason(reason: FinishReason | None, called: bool) -> str | None:
     """OpenAI says "tool_calls" when a turn that called tools ended by itself."""
     if reason is None:
         return None
     text = FinishReason(reason).openai()
     return "tool_calls" if called and text == "stop" else text
+
+
+def _ordered(parts: list[str | ToolCallDelta], calls: list[ToolCall]) -> list[str | ToolCall]:
+    """A parser's parts as a turn's: runs of text merged, each call whole."""
+    out: list[str | ToolCall] = []
+    for part in parts:
+        if not isinstance(part, str):
+            out.append(calls[part.index])
+        elif out and isinstance(out[-1], str):
+            out[-1] += part
+        else:
+            out.append(part)
+    return out
 
 
 class ChatRun:
@@ -103,7 +138,6 @@ class ChatRun:
                  tools: ToolSetup | None, thinking: bool | None) -> None:
         self.state = state
         self.req = req
-        self.model = state.response_model(req.model)  # what the response names
         self.gen = gen
         self.n = gen.n
         self.tools = tools
@@ -132,10 +166,13 @@ class ChatRun:
                 parsed = parser.feed(split.content)
                 if final:
                     parsed = parsed.merge(parser.finish())
+                *runs, last = _runs(parsed)
+                for j, run in enumerate(runs):  # the reasoning goes first, the rest with the last
+                    yield TurnDelta(i, "" if j else split.reasoning, run.content, run.calls)
                 yield TurnDelta(
-                    i, split.reasoning, parsed.content, parsed.calls, list(out.logprobs),
-                    _finish_reason(out.finish_reason, bool(parser.calls)), out.stop_reason,
-                    out.kv_transfer, out.prompt_logprobs)
+                    i, "" if runs else split.reasoning, last.content, last.calls,
+                    list(out.logprobs), _finish_reason(out.finish_reason, bool(parser.calls)),
+                    out.stop_reason, out.kv_transfer, out.prompt_logprobs)
         finally:
             await self.gen.close()
 
@@ -154,6 +191,7 @@ class ChatRun:
             t.reasoning = "".join(reasoning[i])
             t.content = self._tools[i].content
             t.calls = self._tools[i].calls
+            t.parts = _ordered(self._tools[i].parts, t.calls)
         return turns
 
     async def results(self, request: Request) -> list[Turn] | None:

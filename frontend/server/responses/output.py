@@ -1,6 +1,7 @@
 """The chat path's answer as a Responses API object: a `Turn` as output items (reasoning, then
-the message, then function calls), OpenAI usage as Responses usage, a finish reason as the
-response's status, and the request's settings echoed as OpenAI echoes them."""
+messages and function calls in the order written, as a stream opens them), OpenAI usage as
+Responses usage, a finish reason as the response's status, and the request's settings echoed as
+OpenAI echoes them."""
 
 from __future__ import annotations
 
@@ -37,16 +38,17 @@ def item_status(finish_reason: str | None) -> str:
 
 
 def output_items(turn: Turn, reasoning_on: bool) -> list[OutputItem]:
-    """Reasoning (with a parser), the message (unless the turn only called), the calls; the
-    last is "incomplete" when max_output_tokens cut it, as when streamed."""
+    """Reasoning (with a parser), then a message per run of text and the calls, in the order
+    written (an empty message when there is neither); the last is "incomplete" when
+    max_output_tokens cut it, as when streamed."""
     out: list[OutputItem] = []
     if reasoning_on and turn.reasoning:
         out.append(OutputReasoning(id=new_id("rs"), content=[ReasoningPart(text=turn.reasoning)]))
-    if turn.content or not turn.calls:
-        out.append(OutputMessage(id=new_id("msg"), status="completed",
-                                 content=[OutputText(text=turn.content)]))
-    out.extend(OutputFunctionCall(id=new_id("fc"), call_id=c.id, name=c.name,
-                                  arguments=c.arguments) for c in turn.calls)
+    out.extend(OutputMessage(id=new_id("msg"), status="completed", content=[OutputText(text=p)])
+               if isinstance(p, str) else
+               OutputFunctionCall(id=new_id("fc"), call_id=p.id, name=p.name,
+                                  arguments=p.arguments)
+               for p in turn.parts or [""])
     out[-1] = msgspec.structs.replace(out[-1], status=item_status(turn.finish_reason))
     return out
 

@@ -4,9 +4,8 @@ function and gives the arguments. Each family is a file of its own (hermes.py, q
 deepseek.py, mistral.py); the JSON helpers they share are here.
 
 `parse` gets a call's body and the request's functions by name, and returns its calls as (name,
-arguments as compact JSON text), or None when the body is not a call (it then stays content).
-`partial` reads a body still arriving: (name, the arguments text so far) once the name is known,
-so that arguments stream as the model writes them; a closed body gives the whole arguments.
+arguments as JSON text), or None when the body is not a call (it then stays content). A body is
+read once it is whole; `checked` then keeps only calls the request can take (parser.py).
 """
 
 from __future__ import annotations
@@ -26,9 +25,7 @@ class CallFormat:
     open: str
     close: str | None  # None: a call ends where the next opens, or with the output
     parse: Callable[[str, Functions], list[Call] | None]
-    partial: Callable[[str, Functions, bool], Call | None] | None = None
     drop: tuple[str, ...] = ()  # markers around a run of calls: removed from the content
-    arrays: bool = False  # a body may be a JSON array of calls (streamed by the array scanner)
     special_markers: bool = False  # its markers are special tokens: keep them in the text
 
 
@@ -41,6 +38,18 @@ def loads(text: str) -> Any:
 
 def compact(args: Any) -> str:
     return json.dumps(args, ensure_ascii=False, separators=(",", ":"))
+
+
+def checked(calls: list[Call] | None, functions: Functions) -> list[Call] | None:
+    """`calls` when each names a declared function and its arguments are a JSON object; None
+    otherwise (the text they came from is then content: a client that gets a call to a
+    function it did not declare, or arguments that do not parse, can do nothing with it)."""
+    if not calls:
+        return None
+    for name, arguments in calls:
+        if name not in functions or not isinstance(loads(arguments), dict):
+            return None
+    return calls
 
 
 def json_call(body: str, functions: Functions | None = None) -> tuple[str, str] | None:
@@ -56,43 +65,6 @@ def json_call(body: str, functions: Functions | None = None) -> tuple[str, str] 
     if not isinstance(args, dict):
         return None
     return obj["name"], compact(args)
-
-
-def json_object_prefix(text: str) -> str | None:
-    """The JSON object `text` starts with (after whitespace), as far as it has arrived: up to its
-    closing brace once complete. None when `text` does not start an object."""
-    text = text.lstrip()
-    if not text.startswith("{"):
-        return None
-    depth, in_string, escape = 0, False, False
-    for i, c in enumerate(text):
-        if in_string:
-            if escape:
-                escape = False
-            elif c == "\\":
-                escape = True
-            elif c == '"':
-                in_string = False
-        elif c == '"':
-            in_string = True
-        elif c in "{[":
-            depth += 1
-        elif c in "}]":
-            depth -= 1
-            if depth == 0:
-                return text[: i + 1]
-    return text
-
-
-def partial_after(head: re.Pattern[str]) -> Callable[[str, Functions, bool], Call | None]:
-    """A `partial` for formats whose body is `head` (naming the function) then a JSON object."""
-    def partial(body: str, functions: Functions, closed: bool) -> Call | None:
-        match = head.match(body)
-        if match is None or match["name"].strip() not in functions:
-            return None
-        args = json_object_prefix(body[match.end():])
-        return None if args is None else (match["name"].strip(), args)
-    return partial
 
 
 _FENCE = re.compile(r"^```(?:json)?\s*\n?(.*?)\n?```\s*$", re.S)

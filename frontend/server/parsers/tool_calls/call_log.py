@@ -1,5 +1,9 @@
-"""What a parser hands out about tool calls: a `ToolCallDelta` as a call streams, a whole
-`ToolCall` at the end, and the `CallLog` of one output that gives both."""
+"""What a parser hands out about tool calls: a `ToolCallDelta` as a call goes out on a stream, a
+whole `ToolCall` at the end, and the `CallLog` of one output that gives both.
+
+A call goes out only once it is known to be one (a declared function, arguments that are a JSON
+object): its first and only delta carries all of it, so a client never holds a call that later
+turns out to be text, or arguments that do not parse."""
 
 from __future__ import annotations
 
@@ -27,38 +31,16 @@ def _call_id() -> str:
 
 
 class CallLog:
-    """Complete calls so far, and the deltas not yet handed out (merged per call to keep few)."""
+    """The calls of one output, in order."""
 
     def __init__(self) -> None:
-        self.ids: list[str] = []
-        self.names: list[str] = []
-        self.arguments: list[list[str]] = []
-        self.pending: list[ToolCallDelta] = []
+        self._calls: list[ToolCall] = []
 
-    def start(self, name: str, arguments: str = "") -> int:
-        index = len(self.ids)
-        self.ids.append(_call_id())
-        self.names.append(name)
-        self.arguments.append([arguments])
-        self.pending.append(ToolCallDelta(index, self.ids[index], name, arguments))
-        return index
-
-    def add(self, index: int, fragment: str) -> None:
-        if not fragment:
-            return
-        self.arguments[index].append(fragment)
-        last = self.pending[-1] if self.pending else None
-        if last is not None and last.index == index:
-            last.arguments += fragment
-        else:
-            self.pending.append(ToolCallDelta(index, None, None, fragment))
-
-    def take(self) -> list[ToolCallDelta]:
-        out, self.pending = self.pending, []
-        return out
+    def add(self, name: str, arguments: str) -> ToolCallDelta:
+        """Log a checked call; its delta (the whole call) for the stream."""
+        call = ToolCall(_call_id(), name, arguments)
+        self._calls.append(call)
+        return ToolCallDelta(len(self._calls) - 1, call.id, name, arguments)
 
     def calls(self) -> list[ToolCall]:
-        return [
-            ToolCall(i, n, "".join(a)) for i, n, a in zip(self.ids, self.names, self.arguments)
-        ]
-
+        return list(self._calls)

@@ -8,14 +8,11 @@
 
 from __future__ import annotations
 
-import re
-
 from deepinfer.frontend.server.parsers.tool_calls.call_format import (
     Call,
     CallFormat,
     Functions,
     json_arguments,
-    partial_after,
 )
 
 DS_CALLS_BEGIN, DS_CALLS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
@@ -37,9 +34,5 @@ def _deepseek_v31(body: str, functions: Functions) -> list[Call] | None:
 
 
 _DS_DROP = (DS_CALLS_BEGIN, DS_CALLS_END)
-_DS_V3_HEAD = re.compile(rf"\s*function{re.escape(DS_SEP)}(?P<name>[^\n]+)\n```(?:json)?[ \t]*\n?")
-_DS_V31_HEAD = re.compile(rf"\s*(?P<name>[^\n<]+?){re.escape(DS_SEP)}")
-DEEPSEEK_V3 = CallFormat(DS_CALL_BEGIN, DS_CALL_END, _deepseek_v3, partial_after(_DS_V3_HEAD),
-                         _DS_DROP)
-DEEPSEEK_V31 = CallFormat(DS_CALL_BEGIN, DS_CALL_END, _deepseek_v31, partial_after(_DS_V31_HEAD),
-                          _DS_DROP)
+DEEPSEEK_V3 = CallFormat(DS_CALL_BEGIN, DS_CALL_END, _deepseek_v3, _DS_DROP)
+DEEPSEEK_V31 = CallFormat(DS_CALL_BEGIN, DS_CALL_END, _deepseek_v31, _DS_DROP)

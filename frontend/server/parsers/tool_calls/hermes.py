@@ -4,14 +4,11 @@ the parser also takes when it is the whole answer)."""
 
 from __future__ import annotations
 
-import re
-
 from deepinfer.frontend.server.parsers.tool_calls.call_format import (
     Call,
     CallFormat,
     Functions,
     json_call,
-    partial_after,
 )
 
 
@@ -23,6 +20,4 @@ def _hermes(body: str, functions: Functions) -> list[Call] | None:
     return _one(json_call(body))
 
 
-_JSON_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[^"\\]*)"\s*,\s*'
-                        r'"(?:arguments|parameters)"\s*:')
-HERMES = CallFormat("<tool_call>", "</tool_call>", _hermes, partial_after(_JSON_HEAD))
+HERMES = CallFormat("<tool_call>", "</tool_call>", _hermes)

@@ -15,7 +15,6 @@ from deepinfer.frontend.server.parsers.tool_calls.call_format import (
     json_arguments,
     json_call,
     loads,
-    partial_after,
 )
 
 MISTRAL_CALLS, MISTRAL_ARGS = "[TOOL_CALLS]", "[ARGS]"
@@ -32,5 +31,4 @@ def _mistral(body: str, functions: Functions) -> list[Call] | None:
     return None if match is None or args is None else [(match["name"], args)]
 
 
-MISTRAL = CallFormat(MISTRAL_CALLS, None, _mistral, partial_after(_MISTRAL_HEAD), arrays=True,
-                     special_markers=True)
+MISTRAL = CallFormat(MISTRAL_CALLS, None, _mistral, special_markers=True)

@@ -40,12 +40,4 @@ def _qwen3_xml(body: str, functions: Functions) -> list[Call] | None:
     return None if found is None else [(found[0], compact(found[1]))]
 
 
-def _qwen3_partial(body: str, functions: Functions, closed: bool) -> Call | None:
-    found = _qwen3_args(body, functions)
-    if found is None or found[0] not in functions:
-        return None
-    args = compact(found[1])  # each parameter as it closes; the brace once the call does
-    return found[0], args if closed else args[:-1]
-
-
-QWEN3_XML = CallFormat("<tool_call>", "</tool_call>", _qwen3_xml, _qwen3_partial)
+QWEN3_XML = CallFormat("<tool_call>", "</tool_call>", _qwen3_xml)

@@ -183,8 +183,10 @@ def run(tool_setup: ToolSetup | None, chunks: list[str]):
 
 
 def check_stream(parser: ToolCallParser, deltas: list[ParsedDelta]) -> None:
-    """The deltas add up to the final result; only a call's first delta has id and name."""
+    """The deltas add up to the final result, in the same order; each call goes out whole in
+    one delta, with arguments that are a JSON object."""
     assert "".join(d.content for d in deltas) == parser.content
+    assert [p for d in deltas for p in d.parts] == parser.parts
     calls = parser.calls
     fragments: dict[int, list[str]] = {}
     for delta in (c for d in deltas for c in d.calls):
@@ -194,11 +196,12 @@ def check_stream(parser: ToolCallParser, deltas: list[ParsedDelta]) -> None:
             assert delta.name == calls[delta.index].name
             fragments[delta.index] = []
         else:
-            assert delta.id is None and delta.name is None
+            raise AssertionError(f"call {delta.index} went out in more than one delta")
         fragments[delta.index].append(delta.arguments)
     assert len(fragments) == len(calls)
     for i, call in enumerate(calls):
         assert "".join(fragments[i]) == call.arguments
+        assert isinstance(json.loads(call.arguments), dict)
         assert re.fullmatch(r"call_[0-9a-f]{24}", call.id)
     assert len({c.id for c in calls}) == len(calls)
 
@@ -228,29 +231,28 @@ def test_none_mode_is_all_content(tool_setup):
 NAMED_ARGS = '{"city": "Pa\\"ris {x} \\\\ \\u00e9", "days": 3, "extra": [1, {"a": "]"}]}'
 
 
-def test_named_mode_streams_arguments():
+def test_named_mode_sends_the_call_whole_at_the_end():
+    """The call goes out once its arguments are known to parse (they used to stream as the
+    model wrote them, and a call cut short by max_tokens then reached the client with arguments
+    that are no JSON: issue 53)."""
     named = setup({"type": "function", "function": {"name": "get_weather"}})
     expected = [("get_weather", json.loads(NAMED_ARGS))]
     check_all_chunkings(named, NAMED_ARGS, "", expected)
     parser = ToolCallParser(named)
-    assert parser.feed("").calls == []  # nothing to say until text arrives
-    first = parser.feed('{"ci')
-    assert [(d.index, d.name, d.arguments) for d in first.calls] == [(0, "get_weather", '{"ci')]
-    assert first.calls[0].id is not None
-    later = parser.feed('ty": "Oslo"}')
-    assert [(d.index, d.id, d.name, d.arguments) for d in later.calls] == [
-        (0, None, None, 'ty": "Oslo"}')
-    ]
-    assert parser.finish().calls == []
+    assert parser.feed('{"ci').calls == []
+    assert parser.feed('ty": "Oslo"}').calls == []
+    (done,) = parser.finish().calls
+    assert (done.index, done.name, done.arguments) == (0, "get_weather", '{"city": "Oslo"}')
+    assert done.id is not None
     assert parser.calls[0].arguments == '{"city": "Oslo"}'
 
 
-def test_named_mode_with_no_output_still_reports_the_call():
-    parser = ToolCallParser(setup({"type": "function", "function": {"name": "get-time"}}))
-    done = parser.finish()
-    assert [(d.index, d.name) for d in done.calls] == [(0, "get-time")]
-    assert done.calls[0].id is not None
-    assert [(c.name, c.arguments) for c in parser.calls] == [("get-time", "")]
+@pytest.mark.parametrize("text", ["", '{"city": "Ro', "[1]"])
+def test_named_mode_cut_short_is_content(text):
+    """Arguments that do not parse (max_tokens cut them, or nothing came) are no call: the text
+    is the answer (it used to be a call with those arguments)."""
+    named = setup({"type": "function", "function": {"name": "get_weather"}})
+    check_all_chunkings(named, text, text, [])
 
 
 # --- mode required -----------------------------------------------------------------------------
@@ -269,11 +271,11 @@ def test_required_mode_multiple_calls_with_escapes():
     check_all_chunkings(setup("required"), REQUIRED_TEXT, "", expected)
 
 
-def test_required_mode_arguments_text_is_exact():
+def test_required_mode_arguments_are_compact_json():
     parser, _ = run(setup("required"), [REQUIRED_TEXT])
     assert [c.arguments for c in parser.calls] == [
-        '{"city": "Pa\\"ris {}[]", "days": 2}',
-        '{ "tz": "\\\\\\u00e9}", "n": [1, {"x": null}] }',
+        '{"city":"Pa\\"ris {}[]","days":2}',
+        '{"tz":"\\\\é}","n":[1,{"x":null}]}',
     ]
 
 
@@ -283,22 +285,29 @@ def test_required_mode_arguments_before_name_are_held():
     parser = ToolCallParser(setup("required"))
     assert parser.feed('[{"arguments": {"city": "x"}, "na').calls == []
     first = parser.feed('me": "get_weather"}]').calls
-    assert [(d.name, d.arguments) for d in first] == [("get_weather", '{"city": "x"}')]
+    assert [(d.name, d.arguments) for d in first] == [("get_weather", '{"city":"x"}')]
 
 
-def test_required_mode_streams_before_the_call_ends():
+def test_required_mode_sends_each_call_as_its_item_closes():
     parser = ToolCallParser(setup("required"))
     assert parser.feed('[{"name": "get_wea').calls == []
-    start = parser.feed('ther", ').calls
-    assert [(d.index, d.name, d.arguments) for d in start] == [(0, "get_weather", "")]
-    assert start[0].id is not None
-    more = parser.feed('"arguments": {"city": "Par').calls
-    assert [(d.index, d.id, d.name, d.arguments) for d in more] == [
-        (0, None, None, '{"city": "Par')
-    ]
-    assert parser.feed('is"}}]').calls[0].arguments == 'is"}'
+    assert parser.feed('ther", "arguments": {"city": "Par').calls == []
+    (first,) = parser.feed('is"}}, {"name": "get-').calls
+    assert (first.index, first.name, first.arguments) == (0, "get_weather", '{"city":"Paris"}')
+    assert first.id is not None
+    (second,) = parser.feed('time", "arguments": {}}]').calls
+    assert (second.index, second.name, second.arguments) == (1, "get-time", "{}")
     assert parser.finish().content == ""
     assert parser.content == ""
+
+
+def test_required_mode_cut_short_leaves_the_unfinished_item_as_content():
+    """max_tokens ended the array inside an item: the calls before it stand, the rest is text
+    (it used to go out as a call whose arguments never closed)."""
+    first = '[{"name": "get-time", "arguments": {}}'
+    rest = ', {"name": "get_weather", "arguments": {"city": "Ro'
+    check_all_chunkings(setup("required"), first + rest, rest, [("get-time", {})])
+    check_all_chunkings(setup("required"), rest[2:], rest[2:], [])
 
 
 # --- mode auto ---------------------------------------------------------------------------------
@@ -347,18 +356,35 @@ def test_auto_partial_tag_at_chunk_boundary_is_held():
 
 
 def test_auto_unparseable_block_stays_content():
-    """...when it arrives whole. Streamed, a call goes out once its name and the start of its
-    arguments are seen (as vLLM's parsers do): what was sent stays sent, so the client gets the
-    arguments the model wrote."""
+    """...however it streams. A call goes out only once its block is whole and parses (it used
+    to go out once its name and the start of its arguments were seen, as vLLM's parsers do, and
+    a malformed one then reached the client as a call with arguments that are no JSON)."""
     text = 'A <tool_call>{"name": "get-time", "arguments": {</tool_call> B'
-    parser, _ = run(setup(), [text])
-    assert (parser.content, parser.calls) == (text, [])
-    parser, deltas = run(setup(), list(text))
-    check_stream(parser, deltas)
-    assert parser.content == "A  B"
-    assert [(c.name, c.arguments) for c in parser.calls] == [("get-time", "{")]
+    check_all_chunkings(setup(), text, text, [])
     no_name = '<tool_call>{"arguments": {}}</tool_call>'
     check_all_chunkings(setup(), no_name, no_name, [])
+    not_object = '<tool_call>{"name": "get-time", "arguments": "[1]"}</tool_call>'
+    check_all_chunkings(setup(), not_object, not_object, [])
+
+
+@pytest.mark.parametrize("text", [
+    '<tool_call>{"name": "launch", "arguments": {}}</tool_call>',
+    '<tool_call>{"name": "launch", "arguments": {"a": 1}}',  # unclosed, decided at finish
+    '{"name": "launch", "arguments": {}}',  # bare JSON
+])
+def test_auto_call_to_an_undeclared_function_is_content(text):
+    """A client can do nothing with a call to a function it did not declare (openai-agents
+    raised ModelBehaviorError, Codex looped on "unsupported call"): it is text."""
+    check_all_chunkings(setup(), text, text, [])
+
+
+def test_auto_text_after_a_call_follows_it():
+    """One feed that ends a call and carries text after it hands them out in that order."""
+    parser = ToolCallParser(setup())
+    assert parser.feed('Hi <tool_call>{"name": "get-time", "arguments": {').parts == ["Hi "]
+    parts = parser.feed('}}</tool_call> Done').parts
+    assert [p if isinstance(p, str) else (p.name, p.arguments) for p in parts] == [
+        ("get-time", "{}"), " Done"]
 
 
 def test_auto_unclosed_block_is_decided_at_finish():

@@ -66,23 +66,66 @@ def test_every_listed_name_is_a_parser():
             "deepseek_v31"} <= set(TOOL_CALL_PARSERS)
 
 
+# A call to a function the request did not declare, in each family's format: text (the
+# hermes path did not check names, nor did qwen3_xml, deepseek or mistral).
+UNDECLARED = [
+    ("hermes", '<tool_call>{"name": "launch", "arguments": {"a": 1}}</tool_call>'),
+    ("llama3_json", '{"name": "launch", "parameters": {"a": 1}}'),
+    ("qwen3_xml", "<tool_call>\n<function=launch>\n<parameter=a>\n1\n</parameter>\n</function>\n"
+                  "</tool_call>"),
+    ("deepseek_v3", f"{B}function{SEP}launch\n```json\n{{}}\n```{E}"),
+    ("deepseek_v31", f'{B}launch{SEP}{{"a": 1}}{E}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get-time", "arguments": {}}, {"name": "launch", '
+                '"arguments": {}}]'),
+    ("mistral", '[TOOL_CALLS]launch[ARGS]{"a": 1}'),
+]
+
+
+@pytest.mark.parametrize(("name", "output"), UNDECLARED)
+def test_a_call_to_an_undeclared_function_is_text(name, output):
+    for chunks in list(chunkings(output))[::5] + [list(output)]:
+        parser = _run(name, chunks)
+        assert (parser.content, parser.calls) == (output, []), chunks
+
+
+# Malformed in each family's format: text, never a call with arguments that do not parse.
+MALFORMED = [
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": {"city": "Rome"</tool_call>'),
+    ("deepseek_v31", f'{B}get_weather{SEP}{{"city": "Rome"{E}'),
+    ("deepseek_v3", f'{B}function{SEP}get_weather\n```json\n{{"city": "Rome"\n```{E}'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"'),
+]
+
+
+@pytest.mark.parametrize(("name", "output"), MALFORMED)
+def test_a_malformed_call_is_text_however_it_streams(name, output):
+    for chunks in list(chunkings(output))[::5] + [list(output)]:
+        parser = _run(name, chunks)
+        assert (parser.content, parser.calls) == (output, []), chunks
+
+
 @pytest.mark.parametrize(("name", "output", "content", "calls"),
                          [r for r in RECORDED if r[3] and r[0] != "llama3_json"])
-def test_arguments_stream_before_the_call_ends(name, output, content, calls):
-    """Fed a character at a time, each call's name and the first part of its arguments go out
-    while the model is still writing them (llama3_json's bare answer is held whole: text after
-    the object would make it an answer)."""
+def test_a_call_goes_out_whole_when_its_block_ends(name, output, content, calls):
+    """Fed a character at a time, each call goes out in one delta with all its arguments (they
+    used to stream as written; a call that then turned out malformed could not be taken back:
+    issue 53)."""
     parser = ToolCallParser(setup(), TOOL_CALL_PARSERS[name])
-    fragments: dict[int, list[str]] = {}  # call -> its argument fragments, one per feed
-    for c in output:
-        for delta in parser.feed(c).calls:
-            fragments.setdefault(delta.index, []).append(delta.arguments)
-    for delta in parser.finish().calls:
-        fragments.setdefault(delta.index, []).append(delta.arguments)
-    for i, (_, arguments) in enumerate(calls):
-        sent = [f for f in fragments[i] if f]
-        assert len(sent) >= (2 if arguments else 1), (i, fragments[i])
-        assert json.loads("".join(sent)) == arguments
+    deltas = [d for c in output for d in parser.feed(c).calls] + parser.finish().calls
+    assert [(d.index, d.name, json.loads(d.arguments)) for d in deltas] == \
+        [(i, n, a) for i, (n, a) in enumerate(calls)]
+    assert all(d.id is not None for d in deltas)
+
+
+def test_qwen3_xml_parameter_written_twice_is_still_json():
+    """Streamed, the second value used to be appended to what was sent for the first: invalid
+    JSON. Whole calls take the last value, streamed or not."""
+    output = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nRome\n</parameter>\n"
+              "<parameter=city>\nOslo\n</parameter>\n</function>\n</tool_call>")
+    for chunks in list(chunkings(output))[::5] + [list(output)]:
+        parser = _run("qwen3_xml", chunks)
+        assert [(c.name, json.loads(c.arguments)) for c in parser.calls] == \
+            [("get_weather", {"city": "Oslo"})]
 
 
 def test_the_chat_endpoint_reads_calls_in_the_servers_format(engine):
