@@ -23,6 +23,8 @@ RECORDED = [
     ("deepseek_r1", None, "<think>\nShort.\n</think>\n\nYes.", "\nShort.\n", "Yes."),
     # Cut off by max_tokens inside the reasoning: all of it is reasoning.
     ("deepseek_r1", None, "Let me count: 1, 2, 3 </thi", "Let me count: 1, 2, 3 </thi", ""),
+    # Thinking off for the request: the answer (the grammar constrains it from the start).
+    ("deepseek_r1", False, '{"answer": 5}', "", '{"answer": 5}'),
     # Qwen3 opens the tag itself; thinking off, it writes no tag at all.
     ("qwen3", None, "<think>\nThe user greets me.\n</think>\n\nHello! How can I help?",
      "\nThe user greets me.\n", "Hello! How can I help?"),
@@ -119,3 +121,28 @@ def test_sent_back_reasoning_reaches_the_engine(http, engine):
                 {"role": "user", "content": "and 3+3?"}]
     assert chat(http, max_tokens=2, messages=messages).status_code == 200
     assert engine.requests[-1].messages[1].reasoning_content == "add them"
+
+
+def test_deepseek_r1_with_thinking_off_answers_in_content(reasoning_http, engine):
+    """The grammar honoured the switch (it constrained from the first token) while the parser
+    put everything in reasoning_content: structured output came back with content empty, and a
+    forced tool call empty."""
+    engine.script = ['{"answer": ', "5}"]
+    off = {"chat_template_kwargs": {"thinking": False}}
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}
+    message = chat(reasoning_http, max_tokens=5, response_format=fmt, **off).json()[
+        "choices"][0]["message"]
+    assert (message["content"], message["reasoning_content"]) == ('{"answer": 5}', None)
+    assert engine.requests[-1].params.grammar.after == ""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    forced = {"type": "function", "function": {"name": "f"}}
+    for stream in (False, True):
+        r = chat(reasoning_http, max_tokens=5, tools=tools, tool_choice=forced, stream=stream,
+                 **off)
+        if stream:
+            calls = [t for c in sse(r) if c["choices"]
+                     for t in c["choices"][0]["delta"].get("tool_calls") or []]
+        else:
+            calls = r.json()["choices"][0]["message"]["tool_calls"]
+        assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+            [("f", '{"answer": 5}')]
