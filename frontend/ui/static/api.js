@@ -10,18 +10,24 @@ function headers(extra) {
   return out;
 }
 
+// One dialog for every request that met a 401 meanwhile (the chat and the server view's
+// /metrics poll): each waits for the same key.
+let asking = null;
+
 function askForKey() {
   const dialog = document.getElementById("api-key-dialog");
   const input = document.getElementById("api-key-input");
-  return new Promise((resolve) => {
+  asking ??= new Promise((resolve) => {
     dialog.addEventListener("close", () => {
       sessionStorage.setItem(KEY, input.value.trim());
       input.value = "";
+      asking = null;
       resolve();
     }, { once: true });
     dialog.showModal();
     input.focus();
   });
+  return asking;
 }
 
 // fetch() with the key; a 401 asks for a key and tries again (until one works).
