@@ -55,6 +55,9 @@ class GrammarSpec(msgspec.Struct, **_STRUCT):
     # Text the output must write before the grammar starts (a reasoning model's `</think>`):
     # the reasoning is free, the answer after it constrained.
     after: str = ""
+    # With `after`: the reasoning is optional and opens with this (Qwen3's `<think>`, which the
+    # model writes itself): an output that does not start with it follows the grammar at once.
+    opened_by: str = ""
 
     def cache_key(self) -> tuple[str, str]:
         return (self.kind, self.spec)

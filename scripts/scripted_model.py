@@ -23,7 +23,9 @@ PROMPT_END = "\n"
 
 
 def save_scripted_model(out: Path, script: str, added_tokens: tuple[str, ...] = (),
-                        tokenizer_from: Path | None = None) -> Path:
+                        tokenizer_from: Path | None = None, prompt_end: str = PROMPT_END) -> Path:
+    """`prompt_end`: the text whose last token the script follows (a prompt ending otherwise
+    gets no script)."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer
@@ -37,7 +39,7 @@ def save_scripted_model(out: Path, script: str, added_tokens: tuple[str, ...] = 
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in added_tokens])
     tok.save(str(out / "tokenizer.json"))
     eos = json.loads((src / "config.json").read_text())["eos_token_id"]
-    chain = tok.encode(PROMPT_END, add_special_tokens=False).ids[-1:] + \
+    chain = tok.encode(prompt_end, add_special_tokens=False).ids[-1:] + \
         tok.encode(script, add_special_tokens=False).ids
     repeated = sorted({tok.id_to_token(t) for t in chain if chain.count(t) > 1})
     if repeated:

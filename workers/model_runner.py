@@ -152,7 +152,7 @@ class ModelRunner:
                 grammars = self.grammars
                 state.grammar = grammars.backend.matcher(
                     grammars.take(new.request_id, new.params.grammar),
-                    new.params.grammar.after)
+                    new.params.grammar.after, new.params.grammar.opened_by)
             if new.output_ids:  # a decode after a remote prefill: its first token is known
                 first = unpack_ids(new.output_ids).tolist()
                 state.output_ids.extend(first)

@@ -99,14 +99,20 @@ def test_without_the_parser_the_model_writes_the_script(scripted_dir):
 
 @pytest.fixture(scope="module")
 def r1_client(tmp_path_factory):
-    """DeepSeek-R1's way: the template opens `<think>` in the prompt, the model only closes it."""
+    """DeepSeek-R1's way: the template opens `<think>` in the prompt, the model only closes it.
+    The script follows `<think>` alone, so the model writes it only if the prompt the server
+    renders ends with it (the template in tokenizer_config.json wins over chat_template.jinja:
+    an edit of the latter alone never reached the prompt, and the test passed anyway)."""
     model = save_scripted_model(tmp_path_factory.mktemp("r1") / "model", f"{REASONING}</think>"
-                                f"{ANSWER}", ("<think>", "</think>"))
-    template = model / "chat_template.jinja"
+                                f"{ANSWER}", ("<think>", "</think>"), prompt_end="<think>")
     opening = "{{ '<|im_start|>assistant\n' }}"
-    assert opening in template.read_text()
-    template.write_text(template.read_text().replace(
-        opening, "{{ '<|im_start|>assistant\n<think>\n' }}"))
+    config = model / "tokenizer_config.json"
+    cfg = json.loads(config.read_text())
+    assert opening in cfg["chat_template"]
+    cfg["chat_template"] = cfg["chat_template"].replace(
+        opening, "{{ '<|im_start|>assistant\n<think>' }}")
+    config.write_text(json.dumps(cfg))
+    (model / "chat_template.jinja").write_text(cfg["chat_template"])
     srv = ServerProcess(model, "--num-kv-blocks", "64", "--served-model-name", "s",
                         "--reasoning-parser", "deepseek_r1")
     yield _client(srv)
@@ -116,3 +122,25 @@ def r1_client(tmp_path_factory):
 @pytest.mark.parametrize("stream", [False, True])
 def test_deepseek_r1_reasoning_opened_by_the_template(r1_client, stream):
     assert _ask(r1_client, stream) == (REASONING, ANSWER)
+
+
+@pytest.fixture(scope="module")
+def answers_at_once(tmp_path_factory):
+    """Qwen3 answering without `<think>` (its README: then the answer has no reasoning)."""
+    model = save_scripted_model(tmp_path_factory.mktemp("plain") / "model", ANSWER,
+                                ("<think>", "</think>"))
+    srv = ServerProcess(model, "--num-kv-blocks", "64", "--served-model-name", "s",
+                        "--reasoning-parser", "qwen3")
+    yield _client(srv)
+    assert srv.stop() == 0, srv.output()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_answer_without_reasoning_follows_the_grammar(answers_at_once, stream):
+    """The grammar waited for a `</think>` that never came, so the model wrote its script
+    unconstrained; now it starts with the first token that is not `<think>`."""
+    reasoning, content = _ask(answers_at_once, stream)
+    assert (reasoning or "", content) == ("", ANSWER)  # unconstrained: the script
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": ONLY_FIVE}}
+    reasoning, content = _ask(answers_at_once, stream, response_format=fmt)
+    assert (reasoning or "", json.loads(content)) == ("", {"answer": 5})

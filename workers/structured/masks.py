@@ -27,21 +27,29 @@ class MaskedRows:
 class AfterMarker:
     """A matcher that starts once the output has written `marker` (token ids): the reasoning
     before it is free, the answer after it follows the grammar. It moves (and rolls back) over
-    tokens like the matcher it wraps, so masks, drafts and acceptance need not know."""
+    tokens like the matcher it wraps, so masks, drafts and acceptance need not know.
 
-    def __init__(self, inner, marker: list[int]) -> None:
-        self.inner, self.marker = inner, marker
+    With `opener` (a token), the reasoning is optional: the first token is the grammar's or the
+    opener, and an output that does not start with the opener follows the grammar at once."""
+
+    def __init__(self, inner, marker: list[int], opener: int | None = None) -> None:
+        self.inner, self.marker, self.opener = inner, marker, opener
         self.free: list[int] = []  # tokens before the grammar started, the marker's included
         self.started = not marker
         self.constrained = 0  # tokens the inner matcher accepted (what a rollback may undo)
+
+    def _first(self) -> bool:
+        """No token yet, and the reasoning is optional: the first decides."""
+        return self.opener is not None and not self.started and not self.free
 
     def is_terminated(self) -> bool:
         return self.started and self.inner.is_terminated()
 
     def accept_token(self, token: int) -> bool:
-        if self.started:
+        if self.started or (self._first() and token != self.opener):
             ok = self.inner.accept_token(token)
             self.constrained += ok
+            self.started = self.started or ok  # (a refused first draft decides nothing)
             return ok
         self.free.append(token)
         self.started = self.free[-len(self.marker):] == self.marker
@@ -55,10 +63,16 @@ class AfterMarker:
         if n > inner:  # back into the free part: before the marker's end again
             del self.free[len(self.free) - (n - inner):]
             self.started = False
+        if self.opener is not None and not self.free and not self.constrained:
+            self.started = False  # back to the first token: undecided again
 
     def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
-        if self.started:  # else the row stays as allocated: every token allowed
+        if self.started or self._first():  # else the row stays as allocated: all allowed
             self.inner.fill_next_token_bitmask(bitmask, row)
+        if self._first():  # ...or the opener
+            word, bit = divmod(self.opener, 32)
+            value = int(bitmask[row, word]) | (1 << bit)  # an int32 word
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 def allowed_drafts(matcher, drafts: list[int], keep_refused: bool) -> list[int]:

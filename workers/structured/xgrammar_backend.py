@@ -69,14 +69,16 @@ class XGrammarBackend:
             raise GrammarError(f"invalid {_NAMES[spec.kind]}: {_clean(exc)}") from exc
         raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
-    def matcher(self, compiled: xgr.CompiledGrammar, after: str = ""):
+    def matcher(self, compiled: xgr.CompiledGrammar, after: str = "", opened_by: str = ""):
         """A matcher of `compiled`; with `after`, one that starts once the output wrote it (as
-        the tokenizer encodes it alone: reasoning markers are single added tokens)."""
+        the tokenizer encodes it alone: reasoning markers are single added tokens), or at once
+        when `opened_by` is a single token and the output does not start with it."""
         matcher = xgr.GrammarMatcher(compiled)
         if not after:
             return matcher
         marker = self.tokenizer.encode(after, add_special_tokens=False)
-        return AfterMarker(matcher, list(marker))
+        opener = self.tokenizer.encode(opened_by, add_special_tokens=False) if opened_by else []
+        return AfterMarker(matcher, list(marker), opener[0] if len(opener) == 1 else None)
 
     def allocate(self, rows: int) -> torch.Tensor:
         """A bitmask for `rows` logits rows, every token allowed."""

@@ -40,6 +40,7 @@ from deepinfer.frontend.server.common.usage import Usage
 from deepinfer.frontend.server.errors import decode_error
 from deepinfer.frontend.server.http_io import run_until_disconnect
 from deepinfer.frontend.server.parsers.reasoning.base import END as REASONING_END
+from deepinfer.frontend.server.parsers.reasoning.base import START as REASONING_START
 from deepinfer.frontend.server.parsers.reasoning.base import ReasoningDelta, ReasoningParser
 from deepinfer.frontend.server.parsers.reasoning.registry import REASONING_PARSERS
 from deepinfer.frontend.server.parsers.tool_calls.call_log import ToolCall, ToolCallDelta
@@ -211,10 +212,14 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
         "json_schema", json.dumps(tool_schema, ensure_ascii=False))
     kwargs = template_kwargs(req)
     grammar = grammar_spec(req, state.grammar_max_bytes, tool_grammar)
-    if grammar is not None and state.reasoning_parser is not None and \
-            REASONING_PARSERS[state.reasoning_parser].thinks(thinking_on(kwargs)):
-        # The answer follows the grammar, the reasoning before it does not (as in vLLM).
-        grammar = msgspec.structs.replace(grammar, after=REASONING_END)
+    reasoning = REASONING_PARSERS[state.reasoning_parser] if state.reasoning_parser else None
+    if grammar is not None and reasoning is not None and reasoning.thinks(thinking_on(kwargs)):
+        # The answer follows the grammar, the reasoning before it does not (as in vLLM); a
+        # model that may answer without thinking is held to the grammar from its first token
+        # unless it opens its reasoning.
+        grammar = msgspec.structs.replace(
+            grammar, after=REASONING_END,
+            opened_by=REASONING_START if reasoning.model_opens else "")
     params = msgspec.structs.replace(chat_params(req, state.context_len, grammar), lora=lora)
     if tools is not None and tools.mode == "auto" and state.tool_call_format.special_markers:
         # The call markers are special tokens (Mistral's [TOOL_CALLS]): the parser must see them.

@@ -287,6 +287,31 @@ def test_rollback_across_the_marker(backend):
     assert allowed(backend, m) == {1}  # allowed_drafts rolled back what it tried
 
 
+OPENER = 2  # "c": the toy vocabulary's `<think>`
+
+
+def test_optional_reasoning_the_first_token_decides(backend):
+    """A model that may answer without thinking (Qwen3): the first token is the grammar's or
+    the opener; without the opener the grammar rules from the first token (it used to wait for
+    a marker that never came, and the answer went unconstrained)."""
+    grammar = backend.compile(GrammarSpec("regex", "ab"))
+    m = AfterMarker(backend.matcher(grammar), MARK, OPENER)
+    assert allowed(backend, m) == {0, OPENER}
+    assert m.accept_token(0) and allowed(backend, m) == {1}  # answered at once: constrained
+    m.rollback(1)
+    assert allowed(backend, m) == {0, OPENER}  # back at the start: undecided again
+    assert not m.accept_token(1)  # a refused first draft decides nothing
+    assert allowed(backend, m) == {0, OPENER}
+    assert m.accept_token(OPENER) and allowed(backend, m) == set(range(V))  # thinking: free
+    for token in [0, 1, 3, 4]:  # anything, then the marker
+        assert m.accept_token(token)
+    assert allowed(backend, m) == {0}
+    m.rollback(5)
+    assert allowed(backend, m) == {0, OPENER}
+    assert allowed_drafts(m, [0, 1], keep_refused=False) == [0, 1]
+    assert allowed(backend, m) == {0, OPENER}
+
+
 def test_the_backend_encodes_the_marker_with_its_tokenizer(tmp_path):
     from transformers import PreTrainedTokenizerFast
 
@@ -298,3 +323,8 @@ def test_the_backend_encodes_the_marker_with_its_tokenizer(tmp_path):
     think_end = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json")).encode(
         "</think>", add_special_tokens=False)
     assert isinstance(m, AfterMarker) and m.marker == think_end and len(think_end) == 1
+    assert m.opener is None
+    m = b.matcher(b.compile(GrammarSpec("regex", "y")), "</think>", opened_by="<think>")
+    think = PreTrainedTokenizerFast(tokenizer_file=str(model / "tokenizer.json")).encode(
+        "<think>", add_special_tokens=False)
+    assert len(think) == 1 and m.opener == think[0]

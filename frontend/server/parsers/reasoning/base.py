@@ -31,6 +31,7 @@ class ReasoningParser:
     """One request's output. `opened`: the prompt already opened the reasoning."""
 
     drops_leading_start = False  # an opened reasoning may still begin with `<think>`
+    model_opens = False  # the model writes `<think>` itself, or not at all (then no reasoning)
 
     @staticmethod
     def thinks(thinking: bool | None) -> bool:

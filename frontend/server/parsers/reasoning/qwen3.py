@@ -6,5 +6,7 @@ from deepinfer.frontend.server.parsers.reasoning.base import ReasoningParser
 
 
 class Qwen3Parser(ReasoningParser):
+    model_opens = True
+
     def __init__(self, thinking: bool | None = None) -> None:
         super().__init__(opened=False)

@@ -146,3 +146,14 @@ def test_deepseek_r1_with_thinking_off_answers_in_content(reasoning_http, engine
             calls = r.json()["choices"][0]["message"]["tool_calls"]
         assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
             [("f", '{"answer": 5}')]
+
+
+@pytest.mark.parametrize(("parser", "opened_by"), [("qwen3", "<think>"), ("deepseek_r1", "")])
+def test_a_model_that_opens_its_reasoning_may_skip_it(engine, parser, opened_by):
+    """Qwen3 writes `<think>` itself or answers at once: the grammar is told so (it waited for a
+    `</think>` that never came, and the answer went unconstrained); R1's prompt opened it."""
+    state = ServerState(max_pending=8, reasoning_parser=parser)
+    with TestClient(build_app(state, lambda: engine)) as http:
+        chat(http, max_tokens=2, response_format={"type": "json_object"})
+    grammar = engine.requests[-1].params.grammar
+    assert (grammar.after, grammar.opened_by) == ("</think>", opened_by)
