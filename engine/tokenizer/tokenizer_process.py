@@ -140,7 +140,13 @@ class TokenizerService:
             return None, False
         ids = unpack_ids(delta.token_ids)
         n_before = live.completion_tokens
-        used = live.detok.add(ids)
+        # The token that stopped the output (EOS, a stop token id: the scheduler's STOP) is
+        # counted but not written: kept special tokens would show it (`<|im_end|>`), as vLLM.
+        stop_token = delta.finish_reason == FinishReason.STOP and len(ids) > 0
+        text_ids = ids[:-1] if stop_token else ids
+        used = live.detok.add(text_ids)
+        if used == len(text_ids):
+            used = len(ids)
         ids = ids[:used]  # tokens after a stop string are dropped, their logprobs too
         live.completion_tokens += len(ids)
         finish = delta.finish_reason

@@ -37,7 +37,7 @@ def test_first_output_is_held_until_the_grammar_is_ready(tok):
     assert tokenized is not None and first is None
     outs, _ = service.outputs(TokenDelta("r", b""))  # the scheduler's go-ahead
     assert [o.prompt_tokens for o in outs] == [len(tok.encode("Say a"))]
-    ids = tok.encode("aaa", add_special_tokens=False)
+    ids = tok.encode("aaa", add_special_tokens=False) + [2]  # the EOS that stopped it
     outs, _ = service.outputs(TokenDelta("r", pack_ids(ids), finish_reason=FinishReason.STOP))
     assert [o.text for o in outs] == ["aaa"]
 
