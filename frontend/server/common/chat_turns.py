@@ -139,6 +139,7 @@ class ChatRun:
                  tools: ToolSetup | None, thinking: bool | None) -> None:
         self.state = state
         self.req = req
+        self.model = state.response_model(req.model)  # what the response names
         self.gen = gen
         self.n = gen.n
         self.tools = tools
