@@ -155,6 +155,30 @@ def test_a_bad_field_is_an_invalid_request_error(client):
     assert err.value.body["error"]["type"] == "not_found_error"
 
 
+def test_empty_content_is_refused_but_in_a_final_assistant_turn(client):
+    """As Anthropic: content [] (or "") is a 400 naming the message; it was accepted."""
+    for content in ([], ""):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            client.messages.create(model="s", max_tokens=5, messages=[
+                {"role": "user", "content": content}])
+        assert err.value.body["error"]["message"].startswith("messages[0].content")
+    r = client.messages.create(model="s", max_tokens=5, messages=[
+        *ASK, {"role": "assistant", "content": []}], **GREEDY)
+    assert r.stop_reason is not None
+
+
+def test_message_start_splits_the_input_as_message_delta(client):
+    """Asked twice, the prompt is cached the second time: message_start's usage says so as
+    message_delta's does (it said nothing was cached: it was sent before the engine knew)."""
+    for _ in range(2):
+        events = list(client.messages.create(model="s", max_tokens=20, messages=ASK,
+                                             stream=True, **GREEDY))
+    start, end = events[0].message.usage, events[-2].usage
+    assert start.cache_read_input_tokens > 0
+    assert (start.input_tokens, start.cache_read_input_tokens) == \
+        (end.input_tokens, end.cache_read_input_tokens)
+
+
 def test_the_key_as_x_api_key_or_bearer(plain):
     bearer = _client(plain, api_key=None, auth_token=KEY)  # Authorization: Bearer
     assert bearer.messages.count_tokens(model="s", messages=ASK).input_tokens > 0

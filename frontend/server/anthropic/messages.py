@@ -84,12 +84,19 @@ def _sse(events: list[Event]) -> bytes:
 
 
 async def _events(run: ChatRun, rid: str) -> AsyncGenerator[bytes, None]:
+    """message_start waits for the first output: only then does the engine know how much of
+    the prompt its cache held, so its usage splits the input as message_delta's does."""
     events = MessageEvents()
+    started = False
     try:
-        yield _sse(events.start(rid, run.model, run.usage()))
         async for d in run.deltas():
+            if not started:
+                started = True
+                yield _sse(events.start(rid, run.model, run.usage()))
             if chunk := events.feed(d):
                 yield _sse(chunk)
+        if not started:
+            yield _sse(events.start(rid, run.model, run.usage()))
         yield _sse(events.finish(run.usage()))
     except APIError as exc:  # the engine failed mid-stream: Anthropic's error event
         yield _sse([("error", msgspec.to_builtins(error_body(renamed(exc))))])

@@ -118,6 +118,9 @@ def _messages(system: str | list[TextBlock] | None, messages: list[Message]) -> 
         text = system if isinstance(system, str) else "\n\n".join(b.text for b in system)
         out.append({"role": "system", "content": text})
     for i, msg in enumerate(messages):
+        if not msg.content and (msg.role != "assistant" or i < len(messages) - 1):
+            raise APIError("all messages must have non-empty content except for the optional "
+                           "final assistant message", param=f"messages[{i}].content")
         if isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
         elif msg.role == "user":
