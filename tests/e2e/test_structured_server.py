@@ -263,14 +263,14 @@ def test_tool_choice_required_and_named_give_valid_calls(client, stream):
 
     results = client.run(all_jobs())
     for k, (content, finish, calls) in enumerate(results):
-        assert calls and not content
+        assert calls
         if k == 2 and finish == "length":
             # Parallel calls: this small model may keep adding calls until max_tokens; every
-            # call it finished is still a valid one.
-            calls = calls[:-1]
-            assert calls
+            # call it finished is a valid one, and the one it was writing is text (it used to
+            # be a call whose arguments do not parse: issue 53).
+            assert not content.strip(", \n") or content.lstrip(", \n").startswith("{")
         else:
-            assert finish == "tool_calls", (content, calls)
+            assert finish == "tool_calls" and not content, (content, calls)
         for call in calls:
             assert call["id"].startswith("call_")
             jsonschema.validate(json.loads(call["arguments"]), PARAMS[call["name"]])
