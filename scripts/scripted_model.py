@@ -23,9 +23,12 @@ PROMPT_END = "\n"
 
 
 def save_scripted_model(out: Path, script: str, added_tokens: tuple[str, ...] = (),
-                        tokenizer_from: Path | None = None, prompt_end: str = PROMPT_END) -> Path:
+                        tokenizer_from: Path | None = None, prompt_end: str = PROMPT_END,
+                        max_positions: int = 1024, sharpness: float = 1.0) -> Path:
     """`prompt_end`: the text whose last token the script follows (a prompt ending otherwise
-    gets no script)."""
+    gets no script). `max_positions`: the context length (attention writes nothing, so any
+    length works). `sharpness` scales the next token's logit: about 8 is greedy-only; 50 makes
+    the script the sample at any temperature a client sends (real clients send their own)."""
     import torch
     import transformers
     from tokenizers import AddedToken, Tokenizer
@@ -49,7 +52,7 @@ def save_scripted_model(out: Path, script: str, added_tokens: tuple[str, ...] = 
     cfg = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=1024, tie_word_embeddings=False, bos_token_id=1,
+        max_position_embeddings=max_positions, tie_word_embeddings=False, bos_token_id=1,
         eos_token_id=eos, pad_token_id=eos, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to(torch.float32).eval()
@@ -62,6 +65,6 @@ def save_scripted_model(out: Path, script: str, added_tokens: tuple[str, ...] = 
         for i, (token, nxt) in enumerate(zip(chain, chain[1:] + [eos])):
             embed[token] = 0.0
             embed[token, i] = 1.0  # normed to sqrt(hidden) along axis i
-            head[nxt, i] = 1.0
+            head[nxt, i] = sharpness
     model.save_pretrained(str(out), safe_serialization=True)
     return out

@@ -139,10 +139,10 @@ def test_count_tokens_is_the_input_of_the_same_request(client):
 def test_a_bad_field_is_an_invalid_request_error(client):
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model="s", max_tokens=5, messages=ASK,
-                               extra_body={"top_q": 0.5})
+                               extra_body={"top_k": "five"})
     body = err.value.body
     assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
-    assert "top_q" in body["error"]["message"]
+    assert "top_k" in body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as err:
         client.messages.create(model="s", max_tokens=5, messages=ASK, stop_sequences=[""])
     assert err.value.body["error"]["message"].startswith("stop_sequences")

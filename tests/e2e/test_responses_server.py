@@ -117,11 +117,11 @@ def test_retrieve_then_delete(thinker):
 
 def test_a_bad_field_is_a_bad_request(thinker):
     with pytest.raises(openai.BadRequestError) as err:
-        create(thinker, input=ASK, extra_body={"frobnicate": 1})
-    assert err.value.body["param"] == "frobnicate"
+        create(thinker, input=ASK, extra_body={"max_output_tokens": "ten"})
+    assert err.value.body["param"] == "max_output_tokens"
     with pytest.raises(openai.BadRequestError) as err:
-        create(thinker, input=ASK, tools=[{"type": "web_search"}])
-    assert err.value.body["param"] == "tools[0].type"
+        create(thinker, input=ASK, tools=[{"type": "function"}])
+    assert err.value.body["param"] == "tools[0].name"
 
 
 def test_a_function_call(caller):

@@ -3,7 +3,8 @@
 The translation is shape only: system -> a system message; a user turn's tool_result blocks ->
 "tool" messages (in block order, text between them kept as user messages); an assistant turn's
 thinking -> `reasoning_content`, its tool_use blocks -> `tool_calls`; tools -> function tools;
-tool_choice any -> "required", tool -> the named function; thinking -> the template's switches.
+tool_choice any -> "required", tool -> the named function; thinking -> the template's switches;
+a system message inside `messages` -> a system message there; a search_result block -> text.
 Every check of the values (ranges, tool schemas, the model's name) is the chat path's, and its
 errors name OpenAI's fields: `renamed` turns those back into the names this client sent.
 """
@@ -24,15 +25,22 @@ from deepinfer.frontend.server.anthropic.schema import (
     Message,
     MessagesRequest,
     RedactedThinkingBlock,
+    SearchResultBlock,
     TextBlock,
     ThinkingBlock,
+    Tool,
     ToolChoice,
     ToolResultBlock,
     ToolUseBlock,
 )
+from deepinfer.frontend.server.common.lenient import warn_once
 from deepinfer.frontend.server.errors import APIError
 
 _UNSUPPORTED = (ImageBlock, DocumentBlock)
+# Claude Code's first system block: a line that differs in every session (it hashes the first
+# prompt). At the prompt's start it would make every session miss the prefix cache, and it
+# tells a local model nothing: dropped.
+_PER_SESSION = "x-anthropic-billing-header:"
 
 
 def _kind(block: msgspec.Struct) -> str:
@@ -45,6 +53,13 @@ def _unsupported(block: msgspec.Struct, at: str) -> APIError:
                     param=f"{at}.type")
 
 
+def _as_text(block: TextBlock | SearchResultBlock) -> TextBlock:
+    if isinstance(block, TextBlock):
+        return block
+    body = "\n\n".join(b.text for b in block.content)
+    return TextBlock(text=f"{block.title}\n{block.source}\n\n{body}")
+
+
 def _texts(blocks: list[TextBlock]) -> list[dict[str, str]]:
     return [{"type": "text", "text": b.text} for b in blocks]
 
@@ -55,7 +70,8 @@ def _tool_result(block: ToolResultBlock, at: str) -> dict[str, Any]:
         for j, part in enumerate(content):
             if isinstance(part, _UNSUPPORTED):
                 raise _unsupported(part, f"{at}.content[{j}]")
-        content = "".join(part.text for part in content if isinstance(part, TextBlock))
+        content = "".join(_as_text(part).text for part in content
+                          if isinstance(part, (TextBlock, SearchResultBlock)))
     text = content or ""
     if block.is_error:  # OpenAI's tool message has no error flag: the model reads it instead
         text = f"Error: {text}"
@@ -67,8 +83,8 @@ def _user(blocks: list[Block], at: str) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     texts: list[TextBlock] = []
     for j, block in enumerate(blocks):
-        if isinstance(block, TextBlock):
-            texts.append(block)
+        if isinstance(block, (TextBlock, SearchResultBlock)):
+            texts.append(_as_text(block))
             continue
         if isinstance(block, ToolResultBlock):
             if texts:
@@ -112,21 +128,59 @@ def _assistant(blocks: list[Block], at: str) -> dict[str, Any]:
     return message
 
 
+def _system_text(system: str | list[TextBlock]) -> str:
+    if isinstance(system, str):
+        return system
+    return "\n\n".join(b.text for b in system if not b.text.startswith(_PER_SESSION))
+
+
+def _system_message(blocks: list[Block], at: str) -> dict[str, Any]:
+    texts = []
+    for j, block in enumerate(blocks):
+        if not isinstance(block, TextBlock):
+            raise APIError(f"a system message cannot hold a {_kind(block)} block",
+                           param=f"{at}.content[{j}].type")
+        texts.append(block)
+    return {"role": "system", "content": _system_text(texts)}
+
+
 def _messages(system: str | list[TextBlock] | None, messages: list[Message]) -> list[dict]:
     out: list[dict[str, Any]] = []
-    if system:  # an empty system prompt is none: the template's default stays
-        text = system if isinstance(system, str) else "\n\n".join(b.text for b in system)
+    text = _system_text(system) if system else ""
+    if text:  # an empty system prompt is none: the template's default stays
         out.append({"role": "system", "content": text})
     for i, msg in enumerate(messages):
         if not msg.content and (msg.role != "assistant" or i < len(messages) - 1):
             raise APIError("all messages must have non-empty content except for the optional "
                            "final assistant message", param=f"messages[{i}].content")
-        if isinstance(msg.content, str):
+        if msg.role == "system":
+            out.append(_system_message(msg.content, f"messages[{i}]")
+                       if isinstance(msg.content, list) else {"role": "system",
+                                                              "content": msg.content})
+        elif isinstance(msg.content, str):
             out.append({"role": msg.role, "content": msg.content})
         elif msg.role == "user":
             out.extend(_user(msg.content, f"messages[{i}]"))
         else:
             out.append(_assistant(msg.content, f"messages[{i}]"))
+    return out
+
+
+def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
+    """Client tools as function tools; server tools (run by Anthropic's servers, no
+    input_schema) are dropped, with a warning once per type: nothing here could run them."""
+    out = []
+    for i, t in enumerate(tools):
+        if t.type not in (None, "custom"):
+            warn_once("/v1/messages", t.type,
+                      f"dropping server tool type {t.type!r} (this server runs no tools)")
+            continue
+        if t.input_schema is None:
+            raise APIError("input_schema is required for a custom tool",
+                           param=f"tools[{i}].input_schema")
+        out.append({"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": t.input_schema,
+            **({"strict": t.strict} if t.strict is not None else {})}})
     return out
 
 
@@ -144,10 +198,15 @@ def chat_body(req: MessagesRequest | CountTokensRequest, context_len: int) -> di
 
     A count_tokens request has no max_tokens: it asks for one token (never waited for)."""
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req.system, req.messages)}
-    if req.tools is not None:
-        body["tools"] = [{"type": "function", "function": {
-            "name": t.name, "description": t.description, "parameters": t.input_schema,
-            **({"strict": t.strict} if t.strict is not None else {})}} for t in req.tools]
+    if req.tools and (tools := _tools(req.tools)):
+        body["tools"] = tools
+    fmt = req.output_config.format if req.output_config is not None else None
+    if fmt is not None:
+        if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+            raise APIError('output_config.format must be {"type": "json_schema", "schema": {...}}',
+                           param="output_config.format")
+        body["response_format"] = {"type": "json_schema", "json_schema": {
+            "name": "output", "schema": fmt["schema"]}}
     if req.tool_choice is not None:
         body["tool_choice"] = _tool_choice(req.tool_choice)
         if req.tool_choice.disable_parallel_tool_use is not None:

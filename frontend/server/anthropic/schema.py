@@ -1,11 +1,15 @@
 """Bodies of the Anthropic Messages API (`POST /v1/messages`, `/v1/messages/count_tokens`), as
 msgspec Structs, request and response alike.
 
-Content blocks are a union tagged by `type`, so an unknown block type or field fails decoding
-with a 400 that names it. Image and document blocks decode (a client may well send them) and are
+Content blocks are a union tagged by `type`, so an unknown block type fails decoding with a
+400 that names it. Image and document blocks decode (a client may well send them) and are
 refused by the translation with a message saying why. Fields that change nothing here are
 accepted and ignored: `cache_control` (the prefix cache works without hints), `citations` on a
-text block sent back, `metadata`, `service_tier`.
+text block sent back, `metadata`, `service_tier`, `output_config.effort`; so is every field no
+struct here declares (`context_management`, `thinking.display`, tool fields such as
+`eager_input_streaming`: common/lenient.py logs each once). Server tools (a `type` other than
+"custom", run by Anthropic's servers) are dropped with a warning, as `mcp_servers` is ignored:
+the model is offered only the tools its client runs.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import msgspec
+
+from deepinfer.frontend.server.common.lenient import decode_lenient
 
 _REQ = dict(forbid_unknown_fields=True, kw_only=True)
 _BLOCK = dict(tag_field="type", **_REQ)
@@ -48,8 +54,18 @@ class ToolUseBlock(msgspec.Struct, tag="tool_use", **_BLOCK):
 
 class ToolResultBlock(msgspec.Struct, tag="tool_result", **_BLOCK):
     tool_use_id: str
-    content: str | list[TextBlock | ImageBlock | DocumentBlock] | None = None
+    content: str | list[TextBlock | ImageBlock | DocumentBlock | SearchResultBlock] | None = None
     is_error: bool | None = None
+    cache_control: CacheControl | None = None
+
+
+class SearchResultBlock(msgspec.Struct, tag="search_result", **_BLOCK):
+    """A search result the client found: the model reads it as text (no citations here)."""
+
+    source: str
+    title: str
+    content: list[TextBlock]
+    citations: dict[str, Any] | None = None
     cache_control: CacheControl | None = None
 
 
@@ -62,20 +78,24 @@ class RedactedThinkingBlock(msgspec.Struct, tag="redacted_thinking", **_BLOCK):
     data: str
 
 
-Block = (TextBlock | ImageBlock | DocumentBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock
-         | RedactedThinkingBlock)
+Block = (TextBlock | ImageBlock | DocumentBlock | SearchResultBlock | ToolUseBlock
+         | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock)
 
 
 class Message(msgspec.Struct, **_REQ):
-    role: Literal["user", "assistant"]
+    # "system": an instruction in the middle of the conversation (Claude Code sends them)
+    role: Literal["user", "assistant", "system"]
     content: str | list[Block]
 
 
 class Tool(msgspec.Struct, **_REQ):
+    """A client tool (`type` "custom" or none: `input_schema` required), or a server tool
+    (web_search_20250305, ...), which the translation drops."""
+
     name: str
-    input_schema: dict[str, Any]
+    input_schema: dict[str, Any] | None = None
     description: str | None = None
-    type: Literal["custom"] | None = None
+    type: str | None = None
     strict: bool | None = None
     cache_control: CacheControl | None = None
 
@@ -91,6 +111,11 @@ class Thinking(msgspec.Struct, **_REQ):
     budget_tokens: int | None = None  # accepted; the engine has no thinking budget
 
 
+class OutputConfig(msgspec.Struct, **_REQ):
+    effort: str | None = None  # accepted: this model's effort is its template's thinking switch
+    format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": ...}
+
+
 class CountTokensRequest(msgspec.Struct, **_REQ):
     """What count_tokens takes: the conversation, without generation settings."""
 
@@ -101,6 +126,7 @@ class CountTokensRequest(msgspec.Struct, **_REQ):
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
     cache_control: CacheControl | None = None
+    output_config: OutputConfig | None = None
 
 
 class MessagesRequest(CountTokensRequest, **_REQ):
@@ -115,11 +141,11 @@ class MessagesRequest(CountTokensRequest, **_REQ):
 
 
 def decode_messages(body: bytes) -> MessagesRequest:
-    return msgspec.json.decode(body, type=MessagesRequest)
+    return decode_lenient(body, MessagesRequest, "/v1/messages")
 
 
 def decode_count_tokens(body: bytes) -> CountTokensRequest:
-    return msgspec.json.decode(body, type=CountTokensRequest)
+    return decode_lenient(body, CountTokensRequest, "/v1/messages/count_tokens")
 
 
 # ---------------------------------------------------------------- responses

@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.frontend.server.common.lenient import decode_lenient
+
 _REQ = dict(forbid_unknown_fields=True, kw_only=True)
 
 
@@ -121,8 +123,8 @@ class CompletionRequest(_SamplingFields, **_REQ):
 
 
 def decode_chat(body: bytes) -> ChatCompletionRequest:
-    return msgspec.json.decode(body, type=ChatCompletionRequest)
+    return decode_lenient(body, ChatCompletionRequest, "/v1/chat/completions")
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    return msgspec.json.decode(body, type=CompletionRequest)
+    return decode_lenient(body, CompletionRequest, "/v1/completions")

@@ -3,7 +3,8 @@
 Input items become chat messages: a reasoning item, the assistant message after it and the
 function calls after that are one assistant turn (reasoning_content, content, tool_calls), as
 the model wrote them; a function_call_output is a `tool` message. Flat function tools, the
-`{"type": "function", "name"}` tool choice and `text.format` become chat's nested shapes. The
+`{"type": "function", "name"}` tool choice and `text.format` become chat's nested shapes (a
+namespace's tools are function tools; hosted tools are dropped, logged once). The
 chat path names chat fields in its errors; `responses_error` renames them back.
 """
 
@@ -14,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.frontend.server.common.lenient import convert_lenient, warn_once
 from deepinfer.frontend.server.errors import APIError, decode_error
 from deepinfer.frontend.server.responses.schema import (
     FunctionCallItem,
@@ -36,9 +38,10 @@ _TRUNCATIONS = ("auto", "disabled")
 
 
 def _convert(value: Any, kind: type, at: str) -> Any:
-    """msgspec.convert, its error's field path prefixed with where `value` sits."""
+    """msgspec.convert (fields `kind` does not declare ignored: common/lenient.py), its error's
+    field path prefixed with where `value` sits."""
     try:
-        return msgspec.convert(value, kind)
+        return convert_lenient(value, kind, "/v1/responses")
     except msgspec.ValidationError as exc:
         inner = decode_error(exc)
         param = f"{at}.{inner.param}" if inner.param else at
@@ -122,15 +125,31 @@ def chat_messages(items: list[InputItem]) -> list[dict[str, Any]]:
     return messages
 
 
+def _function_tools(tools: list[Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The function tools (with where each was) among `tools`, a namespace's expanded into
+    them; hosted tools (web_search, file_search, ...: OpenAI's servers run them) are dropped
+    with a warning once per type, as Codex offers web_search by default."""
+    out = []
+    for i, raw in enumerate(tools):
+        kind = raw.get("type") if isinstance(raw, dict) else None
+        if kind == "function":
+            out.append((f"tools[{i}]", raw))
+        elif kind == "namespace" and isinstance(raw.get("tools"), list):
+            out += [(f"tools[{i}].{at}", tool) for at, tool in _function_tools(raw["tools"])]
+        elif isinstance(kind, str) and kind != "namespace":
+            warn_once("/v1/responses", kind,
+                      f"dropping hosted tool type {kind!r} (this server runs no tools)")
+        else:
+            raise APIError(f"tools[{i}] must be a tool object with a type", param=f"tools[{i}]")
+    return out
+
+
 def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     if tools is None:
         return None
     out = []
-    for i, raw in enumerate(tools):
-        if raw.get("type") != "function":
-            raise APIError(f"tools[{i}].type {raw.get('type')!r} is not supported: this server "
-                           "calls function tools only", param=f"tools[{i}].type")
-        tool = _convert(raw, FunctionTool, f"tools[{i}]")
+    for at, raw in _function_tools(tools):
+        tool = _convert(raw, FunctionTool, at)
         fn = {"name": tool.name, "description": tool.description,
               "parameters": tool.parameters, "strict": tool.strict}
         out.append({"type": "function",

@@ -15,6 +15,8 @@ from typing import Any
 
 import msgspec
 
+from deepinfer.frontend.server.common.lenient import decode_lenient
+
 _REQ = dict(forbid_unknown_fields=True, kw_only=True)
 _ITEM = dict(kw_only=True)  # see above: unknown fields are ignored
 
@@ -154,4 +156,4 @@ class ResponsesRequest(msgspec.Struct, **_REQ):
 
 
 def decode_responses(body: bytes) -> ResponsesRequest:
-    return msgspec.json.decode(body, type=ResponsesRequest)
+    return decode_lenient(body, ResponsesRequest, "/v1/responses")

@@ -8,6 +8,7 @@ import pytest
 from starlette.testclient import TestClient
 
 from deepinfer.frontend.server.app import build_app
+from deepinfer.frontend.server.common import lenient
 from deepinfer.frontend.server.state import ServerState
 from tests.frontend.server.fake_engine import MODEL, FakeEngineClient, chat, sse
 
@@ -15,7 +16,6 @@ BAD = [
     ("chat", b"{not json", 400, None),
     ("chat", {"messages": "hi"}, 400, "messages"),
     ("chat", {"messages": []}, 400, "messages"),
-    ("chat", {"foo": 1}, 400, "foo"),
     ("chat", {"max_tokens": "ten"}, 400, "max_tokens"),
     ("chat", {"max_tokens": -1}, 400, "max_tokens"),
     ("chat", {"max_tokens": 0}, 400, "max_tokens"),
@@ -58,8 +58,6 @@ BAD = [
     ("chat", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages[0].role"),
     ("chat", {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, 400,
      "messages[0].content[0].type"),
-    ("chat", {"messages": [{"role": "user", "content": "x", "bogus": 1}]}, 400,
-     "messages[0].bogus"),
     ("chat", {"messages": [{"role": "user", "content": "x " * 70}]}, 400, "messages"),
     ("chat", {"messages": [{"role": "user", "content": ""}]}, 400, "messages"),
     ("chat", {"model": "gpt-4"}, 404, "model"),
@@ -90,6 +88,24 @@ def test_bad_requests(http, endpoint, body, status, param):
     if status == 404:
         assert error["code"] == "model_not_found"
     assert chat(http, max_tokens=1).status_code == 200  # still serving
+
+
+def test_fields_not_served_are_ignored_and_logged_once(http, caplog):
+    """Official fields the Responses endpoint takes (prompt_cache_retention, ...), litellm's
+    per-message provider_specific_fields and any unknown field: ignored, logged once each."""
+    lenient._logged.clear()
+    reply = {"role": "assistant", "content": "a", "provider_specific_fields": {"reasoning": "r"}}
+    body = {"prompt_cache_retention": "24h", "prompt_cache_options": {"x": 1},
+            "moderation": {"model": "m"}, "foo": 1, "max_tokens": 1,
+            "messages": [{"role": "user", "content": "x", "bogus": 1}, reply,
+                         {"role": "user", "content": "y"}]}
+    with caplog.at_level("WARNING", logger="deepinfer.api"):
+        for _ in range(2):
+            assert chat(http, **body).status_code == 200
+    logged = [r.getMessage() for r in caplog.records if "ignoring the field" in r.getMessage()]
+    assert sorted(m.split("field ")[1].split(",")[0] for m in logged) == [
+        "foo", "messages[].bogus", "messages[].provider_specific_fields", "moderation",
+        "prompt_cache_options", "prompt_cache_retention"]
 
 
 def test_prompt_too_long_is_400_when_streaming(http):

@@ -22,6 +22,7 @@ from deepinfer.frontend.server.anthropic.schema import (
     decode_messages,
 )
 from deepinfer.frontend.server.app import build_app
+from deepinfer.frontend.server.common import lenient
 from deepinfer.frontend.server.common.chat_turns import Turn, TurnDelta, decode_chat_dict
 from deepinfer.frontend.server.common.prompts import chat_messages
 from deepinfer.frontend.server.common.sampling import chat_params
@@ -144,15 +145,11 @@ def test_content_a_text_model_cannot_take_is_refused_by_name(messages, param):
 
 
 @pytest.mark.parametrize(("fields", "name"), [
-    ({"foo": 1}, "foo"),
     ({"max_tokens": "ten"}, "max_tokens"),
-    ({"messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "audio"}]}]},
      "messages[0].content[0].type"),
-    ({"tools": [{"name": "f"}]}, "tools[0].input_schema"),
     ({"tool_choice": {"type": "sometimes"}}, "tool_choice.type"),
-    ({"thinking": {"type": "enabled", "budget": 5}}, "thinking.budget"),
-    ({"mcp_servers": []}, "mcp_servers"),
 ])
 def test_decoding_names_the_bad_field(fields, name):
     with pytest.raises(msgspec.ValidationError) as err:
@@ -160,6 +157,60 @@ def test_decoding_names_the_bad_field(fields, name):
     exc = decode_error(err.value)
     assert exc.param == name
     assert name.split(".")[-1] in error_body(exc).error.message
+
+
+def test_fields_claude_code_sends_are_accepted(caplog):
+    """What Claude Code 2.1 and the anthropic SDK's types send (each was a 400): fields that
+    change nothing are ignored, each logged once; a system message inside `messages` stays a
+    system message there; the per-session billing line leaves the system prompt; server tools
+    are dropped; a search_result block is text; output_config.format is structured output."""
+    tool = {**WEATHER, "eager_input_streaming": True, "defer_loading": False,
+            "input_examples": [{"city": "Rome"}], "allowed_callers": ["direct"]}
+    messages = [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {
+            "type": "search_result", "source": "https://x.org", "title": "X",
+            "content": [{"type": "text", "text": "x says y"}]}]},
+        {"role": "system", "content": "Agents: none"},
+        {"role": "assistant", "content": [{
+            "type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "Rome"},
+            "caller": {"type": "direct"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "sunny"}]},
+    ]
+    system = [{"type": "text", "text": "x-anthropic-billing-header: cc_version=2.1.197.fa0;"},
+              {"type": "text", "text": "You are an agent.", "cache_control": {"type": "ephemeral"}}]
+    fields = dict(
+        messages=messages, system=system, tools=[tool, {"type": "web_search_20250305",
+                                                        "name": "web_search", "max_uses": 5}],
+        context_management={"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+        output_config={"effort": "high"}, thinking={"type": "adaptive", "display": "omitted"},
+        inference_geo="us", speed="fast", container="c1", mcp_servers=[])
+    lenient._logged.clear()
+    with caplog.at_level("WARNING", logger="deepinfer.api"):
+        chat = _chat(**fields)
+        _chat(**fields)
+    assert [(m.role, m.content if isinstance(m.content, str) else [p.text for p in m.content])
+            for m in chat.messages] == [
+        ("system", "You are an agent."), ("user", ["Hi", "X\nhttps://x.org\n\nx says y"]),
+        ("system", "Agents: none"), ("assistant", []), ("tool", "sunny")]
+    assert [t["function"]["name"] for t in chat.tools] == ["get_weather"]
+    ignored = [r.getMessage() for r in caplog.records if "ignoring the field" in r.getMessage()]
+    for name in ("context_management", "tools[].eager_input_streaming", "thinking.display",
+                 "messages[].content[].caller", "inference_geo", "mcp_servers"):
+        assert sum(f"field {name}," in m for m in ignored) == 1, (name, ignored)
+    counted = decode_count_tokens(json.dumps(
+        {"model": "m", "messages": messages, "output_config": {"effort": "low"}}).encode())
+    assert counted.output_config.effort == "low"
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    fmt = _chat(output_config={"format": {"type": "json_schema", "schema": schema}})
+    assert fmt.response_format == {"type": "json_schema",
+                                   "json_schema": {"name": "output", "schema": schema}}
+
+
+def test_a_custom_tool_without_input_schema_is_refused():
+    with pytest.raises(APIError) as err:
+        chat_body(_request(tools=[{"name": "f"}]), 4096)
+    assert err.value.param == "tools[0].input_schema"
 
 
 # ---------------------------------------------------------------- errors
@@ -334,10 +385,10 @@ def test_the_app_answers_in_anthropics_shape():
     app = build_app(ServerState(max_pending=4, api_key="k"), _no_engine)
     client = TestClient(app)  # no lifespan: nothing here reaches an engine
     bad = client.post("/v1/messages", headers={"x-api-key": "k", "anthropic-version": "2023-06-01"},
-                      json={"model": "m", "max_tokens": 5, "messages": [], "top_q": 1})
+                      json={"model": "m", "max_tokens": "5", "messages": []})
     assert bad.status_code == 400
     assert bad.json()["type"] == "error" and bad.json()["error"]["type"] == \
-        "invalid_request_error" and "top_q" in bad.json()["error"]["message"]
+        "invalid_request_error" and "max_tokens" in bad.json()["error"]["message"]
     image = client.post("/v1/messages/count_tokens", headers={"Authorization": "Bearer k"},
                         json={"model": "m", "messages": [{"role": "user", "content": [
                             {"type": "image", "source": {}}]}]})

@@ -61,8 +61,8 @@ def test_store_false_keeps_nothing(http):
 def test_errors_name_the_field(http):
     r = create(http, input="hi", previous_response_id="resp_unknown")
     assert r.status_code == 404 and r.json()["error"]["param"] == "previous_response_id"
-    r = create(http, input="hi", frobnicate=True)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "frobnicate"
+    r = create(http, input="hi", temperature="hot")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
     r = create(http, input="hi", max_output_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_output_tokens"
     r = create(http, input=[])

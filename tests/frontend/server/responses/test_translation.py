@@ -11,6 +11,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
+from deepinfer.frontend.server.common import lenient
 from deepinfer.frontend.server.common.chat_turns import Turn, TurnDelta, decode_chat_dict
 from deepinfer.frontend.server.common.usage import PromptTokensDetails, Usage
 from deepinfer.frontend.server.errors import APIError
@@ -135,7 +136,7 @@ def test_text_formats(fmt, expected):
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [TOOLS[0], {"type": "web_search"}]}, "tools[1].type"),
+    ({"tools": [TOOLS[0], {"name": "f"}]}, "tools[1]"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
     ({"text": {"format": {"type": "grammar"}}}, "text.format.type"),
@@ -151,9 +152,27 @@ def test_what_cannot_be_served_is_a_400_naming_the_field(body, param):
     assert err.value.param == param
 
 
-def test_an_unknown_field_fails_decoding():
-    with pytest.raises(msgspec.ValidationError, match="unknown field `frobnicate`"):
-        request(input="hi", frobnicate=1)
+def test_what_codex_sends_is_served(caplog):
+    """Codex 0.171's request: client_metadata (and any unknown field) ignored and logged once; a
+    namespace tool is its function tools; hosted tools (web_search) are dropped, logged once;
+    a value of the wrong type is still a 400."""
+    lenient._logged.clear()
+    namespace = {"type": "namespace", "name": "agents", "description": "sub-agents", "tools": [
+        {"type": "function", "name": "close_agent", "parameters": {"type": "object"},
+         "strict": False, "future_field": 1}]}
+    with caplog.at_level("WARNING", logger="deepinfer.api"):
+        req = request(input="hi", tools=[TOOLS[0], namespace, {"type": "web_search",
+                                                               "external_web_access": False}],
+                      client_metadata={"thread_id": "t"}, include=["reasoning.encrypted_content"])
+        chat = decode_chat_dict(chat_request(req, parse_items(req.input)))
+        chat_request(req, parse_items(req.input))
+    assert [t["function"]["name"] for t in chat.tools] == ["get_weather", "close_agent"]
+    logged = [r.getMessage() for r in caplog.records]
+    assert sum("client_metadata" in m for m in logged) == 1
+    assert sum("'web_search'" in m for m in logged) == 1
+    assert sum("future_field" in m for m in logged) == 1
+    with pytest.raises(msgspec.ValidationError, match="Expected `int"):
+        request(input="hi", max_output_tokens="ten")
 
 
 @pytest.mark.parametrize(("chat_param", "param", "message"), [
