@@ -182,6 +182,8 @@ class GenerateRequest(msgspec.Struct, tag=True, **_STRUCT):
     prompt_token_ids: bytes | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
+    # The last message is an assistant's answer begun (a prefill): the model goes on from it.
+    continue_final_message: bool = False
     # Function tools the chat template renders ({"type": "function", "function": {...}}).
     tools: list[dict] | None = None
     # More variables for the chat template (chat_template_kwargs; e.g. thinking on or off).

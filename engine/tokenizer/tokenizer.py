@@ -21,6 +21,10 @@ def _token_text(value) -> str | None:
     return value
 
 
+# Placed after a final assistant message's text to find where the template wrote it.
+_CONTINUE_MARK = "<deepinfer-continue-here> "
+
+
 class ChatTemplateError(ValueError):
     pass
 
@@ -64,9 +68,14 @@ class Tokenizer:
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True,
         tools: list[dict] | None = None, template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> str:
         """`template_kwargs`: more variables for the template (the API refuses the names it
-        sets itself)."""
+        sets itself). `continue_final_message`: the last message is an assistant's answer begun
+        (a prefill): the prompt ends with its text, for the model to go on, instead of closing
+        that turn (as transformers cuts it: where a mark placed after the text lands)."""
+        if continue_final_message:
+            return self._continued(messages, tools, template_kwargs)
         if self.chat_template is None:
             raise ChatTemplateError("this model has no chat template; use /v1/completions")
         extra = dict(template_kwargs or {})
@@ -91,11 +100,32 @@ class Tokenizer:
             **extra,
         )
 
+    def _continued(self, messages: list[dict], tools: list[dict] | None,
+                   template_kwargs: dict | None) -> str:
+        """The prompt ending with the final assistant message's text, for the model to go on.
+        A mark after the text finds where the template put it; a template that trims the text
+        trims the mark's space too, and then the text's trailing space goes as well."""
+        final = messages[-1] if messages else {}
+        if final.get("role") != "assistant":
+            raise ChatTemplateError("only an assistant message can be continued")
+        if not final["content"]:  # an empty answer begun: a new turn is the same thing
+            return self.apply_chat_template(messages[:-1], True, tools, template_kwargs)
+        marked = [*messages[:-1], {**final, "content": final["content"] + _CONTINUE_MARK}]
+        text = self.apply_chat_template(marked, False, tools, template_kwargs)
+        at = text.rfind(_CONTINUE_MARK.strip())
+        if at < 0:
+            raise ChatTemplateError("the chat template does not write the final assistant "
+                                    "message as sent, so it cannot be continued")
+        kept = text[at: at + len(_CONTINUE_MARK)] == _CONTINUE_MARK
+        return text[:at] if kept else text[:at].rstrip()
+
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True,
         tools: list[dict] | None = None, template_kwargs: dict | None = None,
+        continue_final_message: bool = False,
     ) -> tuple[str, list[int]]:
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, template_kwargs,
+                                        continue_final_message)
         # The template already holds every special token it wants.
         return text, self.encode(text, add_special_tokens=False)
 

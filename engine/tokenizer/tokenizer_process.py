@@ -72,7 +72,7 @@ class TokenizerService:
                     raise ValueError("messages must not be empty")
                 prompt_text, ids = self.tokenizer.encode_chat(
                     [chat_dict(m) for m in req.messages], req.add_generation_prompt, req.tools,
-                    req.template_kwargs)
+                    req.template_kwargs, req.continue_final_message)
             elif req.prompt_token_ids is not None:
                 ids = unpack_ids(req.prompt_token_ids).tolist()
                 bad = [i for i in ids if not 0 <= i < self.vocab_limit]

@@ -22,6 +22,7 @@ import msgspec
 from starlette.requests import Request
 
 from deepinfer.engine.protocol import (
+    ChatMessage,
     FinishReason,
     GenerateRequest,
     GrammarSpec,
@@ -37,7 +38,7 @@ from deepinfer.frontend.server.common.sampling import chat_params
 from deepinfer.frontend.server.common.structured import grammar_spec
 from deepinfer.frontend.server.common.thinking import template_kwargs, thinking_on
 from deepinfer.frontend.server.common.usage import Usage
-from deepinfer.frontend.server.errors import decode_error
+from deepinfer.frontend.server.errors import APIError, decode_error
 from deepinfer.frontend.server.http_io import run_until_disconnect
 from deepinfer.frontend.server.parsers.reasoning.base import END as REASONING_END
 from deepinfer.frontend.server.parsers.reasoning.base import START as REASONING_START
@@ -201,6 +202,20 @@ class ChatRun:
         return await run_until_disconnect(request, self._collect())
 
 
+def _continues(req: ChatCompletionRequest, messages: list[ChatMessage]) -> bool:
+    """Whether the final assistant message is an answer begun, for the model to go on (vLLM's
+    continue_final_message; Anthropic's prefill)."""
+    if not req.continue_final_message:
+        return False
+    if req.add_generation_prompt:
+        raise APIError("continue_final_message and add_generation_prompt cannot both be true",
+                       param="continue_final_message")
+    if not messages or messages[-1].role != "assistant":
+        raise APIError("continue_final_message needs a final assistant message to continue",
+                       param="continue_final_message")
+    return True
+
+
 async def start_chat(state: ServerState, request: Request, req: ChatCompletionRequest,
                      rid: str, count_only: bool = False) -> ChatRun:
     """Validate `req`, admit its engine requests and wait for their first outputs.
@@ -230,11 +245,12 @@ async def start_chat(state: ServerState, request: Request, req: ChatCompletionRe
     n = req.n or 1
     params = apply_kv_transfer(request, req.kv_transfer_params, params, state, n,
                                bool(req.stream))
-    add_prompt = req.add_generation_prompt is not False
+    continuing = _continues(req, messages)
+    add_prompt = req.add_generation_prompt is not False and not continuing
     engine_requests = [
         GenerateRequest(f"{rid}-{i}", seeded(params, i), messages=messages,
-                        add_generation_prompt=add_prompt, tools=rendered_tools,
-                        template_kwargs=kwargs, count_only=count_only)
+                        add_generation_prompt=add_prompt, continue_final_message=continuing,
+                        tools=rendered_tools, template_kwargs=kwargs, count_only=count_only)
         for i in range(n)
     ]
     gen = Generation(state, "chat", engine_requests, param="messages")

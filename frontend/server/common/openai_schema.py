@@ -106,6 +106,8 @@ class ChatCompletionRequest(_SamplingFields, **_REQ):
     verbosity: str | None = None
     # extensions
     add_generation_prompt: bool | None = None
+    # vLLM's: the final assistant message is an answer begun; the model goes on from its text.
+    continue_final_message: bool | None = None
     # Handed to the chat template (vLLM): e.g. {"thinking": true} or {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] | None = None
     # DeepSeek's switch: {"type": "enabled"} or {"type": "disabled"}.

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import pytest
 
 from deepinfer.engine.protocol import ChatMessage
 from deepinfer.engine.tokenizer.detokenizer import IncrementalDetokenizer
-from deepinfer.engine.tokenizer.tokenizer import Tokenizer, chat_dict
+from deepinfer.engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer, chat_dict
 
 
 @pytest.fixture(scope="module")
@@ -144,3 +146,28 @@ def test_tokens_after_a_stop_string_in_one_delta_are_dropped(tok):
     kept = tok.encode(" alpha END", add_special_tokens=False)
     assert out.token_ids == pack_ids(kept) and out.completion_tokens == len(kept)
     assert [lp.chosen.token_id for lp in out.logprobs] == kept
+
+
+@pytest.mark.parametrize("begun", ["The capital", "  Sure: {\"a\": ", "x"])
+def test_a_final_assistant_message_is_continued_as_transformers_does(tok, default_model, begun):
+    """A prefill: the prompt ends with the assistant's text begun, not with its turn closed
+    (held to transformers' continue_final_message)."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(default_model))
+    msgs = [{"role": "user", "content": "Capital of France?"},
+            {"role": "assistant", "content": begun}]
+    text, ids = tok.encode_chat(msgs, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf.apply_chat_template(msgs, continue_final_message=True, tokenize=False)
+    assert text.endswith(begun)  # this template keeps the text as sent, spaces included
+    ref = hf.apply_chat_template(msgs, continue_final_message=True, tokenize=True)
+    assert ids == list(ref["input_ids"] if isinstance(ref, Mapping) else ref)
+
+
+def test_an_empty_or_misplaced_prefill(tok):
+    msgs = [{"role": "user", "content": "Hi"}]
+    # An empty answer begun is a new assistant turn.
+    assert tok.apply_chat_template([*msgs, {"role": "assistant", "content": ""}],
+                                   continue_final_message=True) == tok.apply_chat_template(msgs)
+    with pytest.raises(ChatTemplateError, match="only an assistant message"):
+        tok.apply_chat_template(msgs, continue_final_message=True)

@@ -95,6 +95,31 @@ def test_chat_stream_equals_non_stream(client):
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
 
 
+def test_a_final_assistant_message_is_continued(client, tiny_model_dir):
+    """continue_final_message (vLLM's): the prompt is transformers' rendering ending with the
+    answer begun, and the greedy answer goes on from it as a completion of that text does."""
+    from transformers import AutoTokenizer
+
+    begun = [*HELLO, {"role": "assistant", "content": "I am a"}]
+    prompt = AutoTokenizer.from_pretrained(str(tiny_model_dir)).apply_chat_template(
+        begun, continue_final_message=True, tokenize=False)
+    assert prompt.endswith("I am a")
+    kw = dict(model="tiny", max_tokens=6, temperature=0)
+    r = client.chat.completions.create(messages=begun, **kw, extra_body={
+        **NO_EOS, "continue_final_message": True, "add_generation_prompt": False})
+    ref = client.completions.create(prompt=prompt, **kw, extra_body=NO_EOS)
+    assert r.choices[0].message.content == ref.choices[0].text
+    assert r.usage.prompt_tokens == ref.usage.prompt_tokens
+    alone = client.chat.completions.create(messages=begun, **kw, extra_body={
+        **NO_EOS, "continue_final_message": True})  # implies no generation prompt
+    assert alone.choices[0].message.content == ref.choices[0].text
+    for messages, both in [(begun, True), (HELLO, False)]:
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(messages=messages, **kw, extra_body={
+                "continue_final_message": True, "add_generation_prompt": both})
+        assert refused.value.body["param"] == "continue_final_message"
+
+
 def test_completions_usage_stream_and_echo(client, tiny_model_dir):
     prompt = "The quick brown fox"
     n_prompt = len(HFTokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(prompt).ids)
