@@ -91,8 +91,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # The model: a HF-layout directory, a GGUF file or a named model (frontend/cli.py's --model
     # lists the names).
     model: str = "default"
-    served_model_name: Annotated[str | None, setting(
-        "model name in the API (default: the directory's name)")] = None
+    served_model_name: Annotated[list[str] | str | None, setting(
+        "model name in the API (default: the directory's name); more names are aliases a "
+        "request may use, and a name with * or ? a pattern (quote it: 'claude-*' serves "
+        "Claude Code's model names); responses name the first")] = None
     dtype: Annotated[str, setting(
         "the model's dtype, weights and activations: float32 (default), float16, bfloat16; the "
         "KV cache's too unless --kv-cache-dtype says otherwise", MODEL_DTYPES)] = "float32"
@@ -282,12 +284,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return str(envs.cache_dir() / DEFAULT_MODEL_NAME)
         return self.model
 
+    def _served_names(self) -> list[str]:
+        names = self.served_model_name
+        return [names] if isinstance(names, str) else list(names or [])
+
     def model_name(self) -> str:
-        if self.served_model_name:
-            return self.served_model_name
+        if names := self._served_names():
+            return names[0]
         if self.model in ("default", DEFAULT_MODEL_NAME):
             return DEFAULT_MODEL_NAME
         return Path(self.model).name
+
+    def model_aliases(self) -> tuple[str, ...]:
+        """Other names (or fnmatch patterns) a request's `model` may give for the model."""
+        return (self.model, *self._served_names()[1:])
 
     def check_speculative(self) -> None:
         """Raise ModelConfigError, naming the flag, if the speculative settings cannot work.

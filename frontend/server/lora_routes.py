@@ -49,7 +49,7 @@ async def load_lora_adapter(state: ServerState, request: Request) -> Response:
     _check_allowed(state)
     body = await read_json(request, _decode_load)
     name = body.lora_name
-    if name == state.model_name or name in state.model_aliases:
+    if name == state.model_name or state.is_alias(name):
         raise APIError(f"{name!r} is the base model's name", param="lora_name")
     if name in state.lora_adapters:
         raise APIError(f"a LoRA adapter named {name!r} is already loaded", param="lora_name")

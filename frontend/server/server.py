@@ -114,7 +114,7 @@ def serve(
     cannot start raises (ModelConfigError, EngineStartupError) before uvicorn starts."""
     from deepinfer.engine.runtime.async_client import AsyncEngineClient
 
-    state = ServerState(max_pending, model_aliases=(config.model,),
+    state = ServerState(max_pending, model_aliases=config.model_aliases(),
                         grammar_max_bytes=config.grammar_max_bytes, api_key=api_key,
                         max_buffered_outputs=max_buffered_outputs,
                         reasoning_parser=reasoning_parser,

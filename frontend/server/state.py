@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import time
 from typing import Any, Protocol
 
@@ -10,6 +12,8 @@ from deepinfer.frontend.server.errors import APIError, server_error
 from deepinfer.frontend.server.metrics import Metrics
 from deepinfer.frontend.server.parsers.tool_calls.registry import TOOL_CALL_PARSERS
 from deepinfer.frontend.server.responses.store import ResponseStore
+
+_PATTERN = re.compile(r"[*?\[]")  # an alias with these is an fnmatch pattern
 
 
 class EngineClient(Protocol):
@@ -83,10 +87,16 @@ class ServerState:
     def context_len(self) -> int:
         return self.client.context_len if self.client is not None else 0
 
+    def is_alias(self, name: str) -> bool:
+        """`name` is one of --served-model-name's other names, or matches one of its patterns
+        ('claude-*': Claude Code names Claude models, and its background calls other ones)."""
+        return any(name == alias or (_PATTERN.search(alias) and fnmatch.fnmatchcase(name, alias))
+                   for alias in self.model_aliases)
+
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for a model
         this server does not serve."""
-        if name is None or name == self.model_name or name in self.model_aliases:
+        if name is None or name == self.model_name or self.is_alias(name):
             return None
         if name in self.lora_adapters:
             return name

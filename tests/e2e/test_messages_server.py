@@ -8,6 +8,7 @@ whole and streamed, a tool_result sent back)."""
 from __future__ import annotations
 
 import json
+import re
 
 import anthropic
 import httpx
@@ -153,6 +154,19 @@ def test_a_bad_field_is_an_invalid_request_error(client):
     with pytest.raises(anthropic.NotFoundError) as err:
         client.messages.create(model="claude-x", max_tokens=5, messages=ASK)
     assert err.value.body["error"]["type"] == "not_found_error"
+
+
+def test_a_prompt_past_the_context_is_too_long_in_anthropics_words(client):
+    """Claude Code recognizes an overflow (and compacts) only by Anthropic's wording."""
+    long = [{"role": "user", "content": "word " * 1500}]
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as err:
+            client.messages.create(model="s", max_tokens=5, messages=long, stream=stream)
+        error = err.value.body["error"]
+        assert error["type"] == "invalid_request_error"
+        match = re.fullmatch(r"prompt is too long: (\d+) tokens > (\d+) maximum",
+                             error["message"])
+        assert match and int(match[1]) > 1500 and int(match[2]) <= 1024, error
 
 
 def test_empty_content_is_refused_but_in_a_final_assistant_turn(client):

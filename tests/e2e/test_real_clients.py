@@ -78,7 +78,10 @@ def setup(tmp_path_factory, bins):
     model = save_scripted_model(tmp_path_factory.mktemp("scripted") / "model",
                                 SAYS + read + execute, (read, execute),
                                 max_positions=32768, sharpness=50.0)
-    srv = ServerProcess(model, "--served-model-name", "s", "--tool-call-parser", "hermes")
+    # Claude Code names its own models (and a Haiku one in background calls): the pattern
+    # maps them all to the served one, with no ANTHROPIC_MODEL set.
+    srv = ServerProcess(model, "--served-model-name", "s", "claude-*",
+                        "--tool-call-parser", "hermes")
     home = tmp_path_factory.mktemp("home")
     codex_home = home / ".codex"
     codex_home.mkdir()
@@ -96,10 +99,12 @@ base_url = "{srv.base_url}/v1"
 wire_api = "responses"
 env_key = "DEEPINFER_API_KEY"
 """)
-    env = dict(os.environ, **QUIET, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / ".claude"),
+    # Nothing of the user's own setup (keys, models, base URLs) reaches the clients.
+    own = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ANTHROPIC_", "CLAUDE_", "CODEX_", "OPENAI_"))}
+    env = dict(own, **QUIET, HOME=str(home), CLAUDE_CONFIG_DIR=str(home / ".claude"),
                CODEX_HOME=str(codex_home), ANTHROPIC_BASE_URL=srv.base_url,
-               ANTHROPIC_API_KEY="none", ANTHROPIC_MODEL="s", ANTHROPIC_SMALL_FAST_MODEL="s",
-               ANTHROPIC_DEFAULT_HAIKU_MODEL="s", DEEPINFER_API_KEY="none",
+               ANTHROPIC_API_KEY="none", DEEPINFER_API_KEY="none",
                npm_config_cache=str(home / "npm-cache"))
     yield {"srv": srv, "env": env, "work": work, "runs": runs, **bins}
     assert srv.stop() == 0, srv.output()

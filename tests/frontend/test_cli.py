@@ -11,6 +11,8 @@ import pytest
 from deepinfer.engine import model_store
 from deepinfer.engine.config import ModelConfigError
 from deepinfer.frontend import cli
+from deepinfer.frontend.server.errors import APIError
+from deepinfer.frontend.server.state import ServerState
 from scripts.tiny_models import save_tiny_model
 from tests.engine.model_store.tiny_gguf import use_tiny_default_model
 
@@ -20,9 +22,24 @@ def test_serve_args_map_to_engine_config():
         "serve", "--model", "/m", "--kv-cache-gb", "2.5", "--max-num-seqs", "8", "--port", "9",
         "--served-model-name", "x", "--max-pending", "3", "--kv-cache-dtype", "float16"])
     assert cli.engine_kwargs(args) == {"kv_cache_gb": 2.5, "max_num_seqs": 8,
-                                       "served_model_name": "x", "kv_cache_dtype": "float16"}
+                                       "served_model_name": ["x"], "kv_cache_dtype": "float16"}
     assert (args.port, args.max_pending, args.host) == (9, 3, "127.0.0.1")
     assert cli.engine_config(args).model == "/m"
+
+
+def test_several_served_model_names_and_a_pattern():
+    """The first name is the model's; the others, and patterns, are aliases (Claude Code names
+    Claude models: 'claude-*' maps them to the served one)."""
+    args = cli.build_parser().parse_args([
+        "serve", "--model", "/m", "--served-model-name", "s", "other", "claude-*"])
+    config = cli.engine_config(args)
+    assert (config.model_name(), config.model_aliases()) == ("s", ("/m", "other", "claude-*"))
+    state = ServerState(max_pending=1, model_aliases=config.model_aliases())
+    for name in ("other", "claude-haiku-4-5-20251001", "claude-opus-4-8", "/m"):
+        assert state.check_model(name) is None
+    for name in ("claude", "gpt-4", "xclaude-1"):
+        with pytest.raises(APIError):
+            state.check_model(name)
 
 
 def test_a_kv_cache_dtype_typo_is_refused_before_anything_starts(capsys):

@@ -9,6 +9,7 @@ accepted and read no further; the key may come as `x-api-key` (frontend/auth.py)
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -33,6 +34,9 @@ from deepinfer.frontend.server.state import ServerState
 
 _encode = msgspec.json.Encoder().encode
 
+# The tokenizer's words for a prompt past the context (engine/tokenizer/tokenizer_process.py).
+_TOO_LONG = re.compile(r"the prompt has (\d+) tokens; .*? is (\d+) tokens")
+
 # HTTP status -> Anthropic's error type (its API answers overload with 529; we keep 503).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
                 403: "permission_error", 404: "not_found_error", 413: "request_too_large",
@@ -40,11 +44,16 @@ _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",
 
 
 def error_body(exc: APIError) -> ErrorOut:
-    """Anthropic's error body; it has no `param`, so the message names the field."""
+    """Anthropic's error body; it has no `param`, so the message names the field. A prompt
+    past the context is said in Anthropic's words: Claude Code recognizes an overflow (and
+    compacts the conversation) only by them."""
     kind = _ERROR_TYPES.get(exc.status, "api_error" if exc.status >= 500 else
                             "invalid_request_error")
     message = exc.message
-    if exc.status == 401:
+    too_long = _TOO_LONG.search(message) if exc.code == "context_length_exceeded" else None
+    if too_long:
+        message = f"prompt is too long: {too_long[1]} tokens > {too_long[2]} maximum"
+    elif exc.status == 401:
         message = "invalid or missing API key (x-api-key or Authorization: Bearer)"
     elif exc.param and exc.param not in message:
         message = f"{exc.param}: {message}"
