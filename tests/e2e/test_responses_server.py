@@ -191,3 +191,27 @@ def test_json_schema_holds_a_random_model_to_it(tiny_model_dir):
         assert r.text.format.type == "json_schema"
     finally:
         assert srv.stop() == 0, srv.output()
+
+
+def test_top_logprobs_are_served_as_chat_serves_them(caller):
+    """top_logprobs (and include message.output_text.logprobs) give the output_text's logprobs,
+    whole and streamed, the values chat's logprobs give (it was a 400)."""
+    r = create(caller, input="Hi", top_logprobs=2, include=["message.output_text.logprobs"])
+    text = r.output[0].content[0]
+    assert [o.type for o in r.output] == ["message"] and text.text.startswith("Checking.")
+    assert "".join(p.token for p in text.logprobs).startswith(text.text)  # then the EOS
+    assert all(len(p.top_logprobs) == 2 for p in text.logprobs)
+    chat = caller.chat.completions.create(model="s", temperature=0, max_tokens=40, logprobs=True,
+                                          top_logprobs=2,
+                                          messages=[{"role": "user", "content": "Hi"}])
+    assert [(p.token, round(p.logprob, 4)) for p in text.logprobs] == \
+        [(p.token, round(p.logprob, 4)) for p in chat.choices[0].logprobs.content]
+    with caller.responses.stream(model="s", input="Hi", max_output_tokens=40, temperature=0,
+                                 top_logprobs=2) as stream:
+        deltas = [p for e in stream if e.type == "response.output_text.delta" for p in e.logprobs]
+        final = stream.get_final_response()
+    assert [p.token for p in deltas] == [p.token for p in text.logprobs][:-1]  # not the EOS
+    assert [p.token for p in final.output[0].content[0].logprobs] == \
+        [p.token for p in text.logprobs]
+    plain = create(caller, input="Hi")
+    assert plain.output[0].content[0].logprobs == []

@@ -22,6 +22,7 @@ from deepinfer.frontend.server.responses.input import (
     chat_request,
     parse_items,
     responses_error,
+    wants_logprobs,
 )
 from deepinfer.frontend.server.responses.objects import ResponseDeleted, ResponseObject
 from deepinfer.frontend.server.responses.output import (
@@ -78,12 +79,13 @@ async def _create(state: ServerState, request: Request) -> Response | SSERespons
             state.responses.put(StoredResponse(response, items + output))
 
     if req.stream:
-        return SSEResponse(response_events(run, base, keep))
+        return SSEResponse(response_events(run, base, keep, wants_logprobs(req)))
     turns = await run.results(request)
     if turns is None:
         return Response(status_code=499)
     turn = turns[0]
-    body = finished(base, output_items(turn, run.reasoning_on), turn.finish_reason,
+    body = finished(base, output_items(turn, run.reasoning_on, wants_logprobs(req)),
+                    turn.finish_reason,
                     run.usage(), int(time.time()))
     keep(body)
     return _json(body)

@@ -192,13 +192,16 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
 def _refuse_unserved(req: ResponsesRequest) -> None:
     """Fields a client relies on that this server cannot honour: a 400 naming each."""
     unserved = {"background": bool(req.background), "conversation": req.conversation is not None,
-                "prompt": req.prompt is not None, "moderation": req.moderation is not None,
-                "top_logprobs": bool(req.top_logprobs)}
+                "prompt": req.prompt is not None}
     for name, asked in unserved.items():
         if asked:
             raise APIError(f"{name} is not supported by this server", param=name)
     if req.truncation is not None and req.truncation not in _TRUNCATIONS:
         raise APIError("truncation must be 'auto' or 'disabled'", param="truncation")
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return bool(req.top_logprobs) or "message.output_text.logprobs" in (req.include or [])
 
 
 def chat_request(req: ResponsesRequest, items: list[InputItem]) -> dict[str, Any]:
@@ -215,6 +218,7 @@ def chat_request(req: ResponsesRequest, items: list[InputItem]) -> dict[str, Any
         "parallel_tool_calls": req.parallel_tool_calls,
         "response_format": _response_format(req), "user": req.user,
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
+        "logprobs": wants_logprobs(req) or None, "top_logprobs": req.top_logprobs,
         "stream": req.stream,
     }
     return {k: v for k, v in body.items() if v is not None}

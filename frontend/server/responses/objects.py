@@ -14,6 +14,9 @@ class OutputText(msgspec.Struct, kw_only=True):
     text: str
     annotations: list[Any] = []
     type: str = "output_text"
+    # Each output position's token, logprob, bytes and top_logprobs, when asked (top_logprobs,
+    # or include "message.output_text.logprobs"): [] otherwise, as OpenAI answers.
+    logprobs: list[Any] = []
 
 
 class ReasoningPart(msgspec.Struct, kw_only=True):

@@ -6,9 +6,11 @@ OpenAI echoes them."""
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 import msgspec
 
+from deepinfer.engine.protocol import PositionLogprobs
 from deepinfer.frontend.server.common.chat_turns import Turn
 from deepinfer.frontend.server.common.usage import Usage
 from deepinfer.frontend.server.responses.input import echo_tools
@@ -37,10 +39,20 @@ def item_status(finish_reason: str | None) -> str:
     return "incomplete" if finish_reason == "length" else "completed"
 
 
-def output_items(turn: Turn, reasoning_on: bool) -> list[OutputItem]:
+def text_logprobs(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
+    """Output positions as output_text's logprobs (the entries chat's logprobs.content has)."""
+    def entry(token: str, logprob: float) -> dict[str, Any]:
+        return {"token": token, "logprob": logprob,
+                "bytes": list(token.encode("utf-8", errors="replace"))}
+    return [{**entry(p.chosen.token, p.chosen.logprob),
+             "top_logprobs": [entry(t.token, t.logprob) for t in p.top]} for p in positions]
+
+
+def output_items(turn: Turn, reasoning_on: bool, logprobs: bool = False) -> list[OutputItem]:
     """Reasoning (with a parser), then a message per run of text and the calls, in the order
     written (an empty message when there is neither); the last is "incomplete" when
-    max_output_tokens cut it, as when streamed."""
+    max_output_tokens cut it, as when streamed. With `logprobs`, the first message's text
+    carries every output position's (the engine does not tell which part wrote which)."""
     out: list[OutputItem] = []
     if reasoning_on and turn.reasoning:
         out.append(OutputReasoning(id=new_id("rs"), content=[ReasoningPart(text=turn.reasoning)]))
@@ -49,6 +61,9 @@ def output_items(turn: Turn, reasoning_on: bool) -> list[OutputItem]:
                OutputFunctionCall(id=new_id("fc"), call_id=p.id, name=p.name,
                                   arguments=p.arguments)
                for p in turn.parts or [""])
+    first = next((item for item in out if isinstance(item, OutputMessage)), None)
+    if logprobs and first is not None:
+        first.content[0].logprobs = text_logprobs(turn.logprobs)
     out[-1] = msgspec.structs.replace(out[-1], status=item_status(turn.finish_reason))
     return out
 

@@ -146,13 +146,12 @@ class ResponsesRequest(msgspec.Struct, **_REQ):
     include: list[str] | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
-    # Declared so that a client sending them learns, by name, that they are not served.
+    # Declared so that a client sending them learns, by name, that they are not served
+    # (context_management, moderation, prompt_cache_options change nothing here: not declared,
+    # so common/lenient.py ignores them and logs each once).
     background: bool | None = None
     conversation: str | dict[str, Any] | None = None
     prompt: dict[str, Any] | None = None
-    context_management: list[dict[str, Any]] | None = None
-    moderation: dict[str, Any] | None = None
-    prompt_cache_options: dict[str, Any] | None = None
 
 
 def decode_responses(body: bytes) -> ResponsesRequest:

@@ -36,7 +36,12 @@ from deepinfer.frontend.server.responses.objects import (
     TextDeltaEvent,
     TextDoneEvent,
 )
-from deepinfer.frontend.server.responses.output import finished, item_status, new_id
+from deepinfer.frontend.server.responses.output import (
+    finished,
+    item_status,
+    new_id,
+    text_logprobs,
+)
 
 _encode = msgspec.json.Encoder().encode
 _END_EVENTS = {"completed": "response.completed", "failed": "response.failed"}
@@ -45,12 +50,17 @@ _END_EVENTS = {"completed": "response.completed", "failed": "response.failed"}
 class _Events:
     """The events so far; `output` holds the closed items, `item` the open one."""
 
-    def __init__(self, base: ResponseObject) -> None:
+    def __init__(self, base: ResponseObject, logprobs: bool = False) -> None:
         self.base = base
         self.seq = 0
         self.output: list[OutputItem] = []
         self.item: OutputItem | None = None
         self.text: list[str] = []  # the open item's text or arguments so far
+        # With logprobs asked: the positions not sent yet, sent with the next text of a message
+        # (a delta's own positions with its text; with reasoning or calls, those positions go
+        # with the message text after them), and those sent with the open message
+        self.logprobs: list[dict] | None = [] if logprobs else None
+        self.sent: list[dict] = []
 
     def _frame(self, make: Callable[[int], msgspec.Struct]) -> bytes:
         event = make(self.seq)
@@ -83,6 +93,9 @@ class _Events:
         if item is None:
             return []
         text, at = "".join(self.text), len(self.output)
+        if isinstance(item, OutputMessage):
+            self._take()  # positions that wrote no text (the EOS) close the message
+        sent, self.sent = self.sent, []
         done: OutputItem
         if isinstance(item, OutputFunctionCall):
             done = msgspec.structs.replace(item, arguments=text, status=status)
@@ -93,9 +106,9 @@ class _Events:
             done = msgspec.structs.replace(item, content=[part])
             out = self._text_done("reasoning_text", item.id, at, part, None)
         else:
-            message = OutputText(text=text)
+            message = OutputText(text=text, logprobs=sent)
             done = msgspec.structs.replace(item, content=[message], status=status)
-            out = self._text_done("output_text", item.id, at, message, [])
+            out = self._text_done("output_text", item.id, at, message, sent)
         out.append(self._frame(lambda n: ItemEvent("response.output_item.done", n, at, done)))
         self.output.append(done)
         self.item = None
@@ -112,10 +125,18 @@ class _Events:
         item, at = self.item, len(self.output)
         assert item is not None
         self.text.append(text)
-        name, logprobs = ("reasoning_text", None) if reasoning else ("output_text", [])
+        name, logprobs = ("reasoning_text", None) if reasoning else ("output_text", self._take())
         out.append(self._frame(lambda n: TextDeltaEvent(
             f"response.{name}.delta", n, item.id, at, 0, text, logprobs)))
         return out
+
+    def _take(self) -> list[dict]:
+        """The positions not sent yet (none unless asked), now sent with the open message."""
+        if self.logprobs is None:
+            return []
+        taken, self.logprobs = self.logprobs, []
+        self.sent += taken
+        return taken
 
     def _open_message(self) -> list[bytes]:
         return self._open(OutputMessage(id=new_id("msg"), status="in_progress", content=[]),
@@ -136,6 +157,8 @@ class _Events:
         return out
 
     def delta(self, d: TurnDelta) -> list[bytes]:
+        if self.logprobs is not None:
+            self.logprobs += text_logprobs(d.logprobs)
         out = self._text(OutputReasoning, d.reasoning) if d.reasoning else []
         if d.content:
             out += self._text(OutputMessage, d.content)
@@ -163,10 +186,10 @@ class _Events:
 
 
 async def response_events(run: ChatRun, base: ResponseObject,
-                          done: Callable[[ResponseObject], None]
+                          done: Callable[[ResponseObject], None], logprobs: bool = False
                           ) -> AsyncGenerator[bytes, None]:
     """The SSE events of `run`; `done` gets the finished response (to store it)."""
-    events = _Events(base)
+    events = _Events(base, logprobs)
     finish_reason = None
     try:
         yield events.response("response.created", base)
