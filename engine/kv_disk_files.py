@@ -14,12 +14,21 @@ and two servers writing one block leave either one of two equal files.
 from __future__ import annotations
 
 import os
+import stat
 import struct
 import time
 import uuid
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import msgspec
+
+from deepinfer.engine.model_config import FULL, SLIDING
+
+if TYPE_CHECKING:
+    from deepinfer.engine.config import EngineConfig
 
 MAGIC = b"DIKVBLK1"
 # magic, rank identity, digest, payload bytes, CRC-32 of the payload (it finds damage; what
@@ -30,8 +39,29 @@ SUFFIX, TEMP_PREFIX = ".kv", "."
 STALE_TEMP_SECONDS = 600.0  # a temporary file this old belongs to a writer that died
 
 
+def block_payloads(cfg: EngineConfig) -> tuple[int, int]:
+    """What the worker halves (workers/kv_connectors/disk_tier.py) write per block over every
+    rank: (a full-attention block's payload, a proposer's rows included; one sliding-window
+    block's share of a snapshot)."""
+    layout = cfg.kv_cache_layout()
+    full, sliding = layout.layers_of(FULL), layout.layers_of(SLIDING)
+    full_bytes = cfg.kv_bytes_per_block(full) if full else 0
+    if cfg.speculative_method == "draft" and cfg.speculative_model:
+        draft = msgspec.structs.replace(cfg, model=cfg.speculative_model,
+                                        speculative_method=None, speculative_model=None)
+        full_bytes += draft.kv_bytes_per_block()  # every layer full (checked at its load)
+    elif cfg.speculative_method == "mtp":  # one layer shaped as the first, in --dtype
+        full_bytes += msgspec.structs.replace(cfg, kv_cache_dtype="auto").kv_bytes_per_block([0])
+    return full_bytes, cfg.kv_bytes_per_block(sliding) if sliding else 0
+
+
 class DamagedBlock(Exception):
     """A block file that must not be used (it is deleted and the block recomputed)."""
+
+
+class NotABlockFile(OSError):
+    """Something else at a block's path (a FIFO, a device, a directory): not read, not
+    deleted (it is no file of ours), the block recomputed."""
 
 
 def tier_dir(root: str | os.PathLike, identity: bytes) -> Path:
@@ -62,7 +92,9 @@ def write_block(folder: Path, digest: bytes, identity: bytes, payload) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     temp = path.parent / f"{TEMP_PREFIX}{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
     try:
-        with open(temp, "wb") as f:
+        # Owner-only: a block's bytes say what prompts were served.
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        with open(fd, "wb") as f:
             f.write(encode_header(identity, digest, payload))
             f.write(payload)
         os.replace(temp, path)
@@ -74,8 +106,13 @@ def write_block(folder: Path, digest: bytes, identity: bytes, payload) -> int:
 
 def read_block(folder: Path, digest: bytes, identity: bytes, payload_bytes: int) -> bytes:
     """The payload of a block's file, checked. Raises FileNotFoundError (gone: another server
-    evicted it) or DamagedBlock."""
-    with open(block_path(folder, digest), "rb") as f:
+    evicted it), NotABlockFile or DamagedBlock."""
+    # Non-blocking open: a FIFO at the path would block until a writer came; only a regular
+    # file is read (a link is not followed out of the folder).
+    fd = os.open(block_path(folder, digest), os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    with open(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise NotABlockFile("not a regular file")
         data = f.read(HEADER_BYTES + payload_bytes + 1)
     return check(data, digest, identity, payload_bytes)
 
@@ -98,9 +135,9 @@ def delete_block(folder: Path, digest: bytes) -> None:
     block_path(folder, digest).unlink(missing_ok=True)
 
 
-def scan(folder: Path, now: float | None = None) -> Iterator[tuple[bytes, float]]:
-    """(digest, last modified) of every block file in a rank folder; stale temporary files
-    (a writer that died mid-write) are deleted on the way."""
+def scan(folder: Path, now: float | None = None) -> Iterator[tuple[bytes, float, int]]:
+    """(digest, last modified, size) of every block file in a rank folder; stale temporary
+    files (a writer that died mid-write) are deleted on the way."""
     now = time.time() if now is None else now
     if not folder.is_dir():
         return
@@ -109,9 +146,12 @@ def scan(folder: Path, now: float | None = None) -> Iterator[tuple[bytes, float]
             continue
         for entry in os.scandir(sub):
             try:
-                mtime = entry.stat().st_mtime
+                st = entry.stat(follow_symlinks=False)
             except FileNotFoundError:  # another server removed it meanwhile
                 continue
+            if not stat.S_ISREG(st.st_mode):
+                continue
+            mtime = st.st_mtime
             if entry.name.startswith(TEMP_PREFIX):
                 if now - mtime > STALE_TEMP_SECONDS:
                     Path(entry.path).unlink(missing_ok=True)
@@ -119,6 +159,6 @@ def scan(folder: Path, now: float | None = None) -> Iterator[tuple[bytes, float]
             stem = entry.name.removesuffix(SUFFIX)
             if entry.name.endswith(SUFFIX) and len(stem) == 64:
                 try:
-                    yield bytes.fromhex(stem), mtime
+                    yield bytes.fromhex(stem), mtime, st.st_size
                 except ValueError:
                     continue

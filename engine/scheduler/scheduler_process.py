@@ -18,6 +18,7 @@ import zmq
 
 from deepinfer.engine import envs
 from deepinfer.engine.config import EngineConfig
+from deepinfer.engine.kv_disk_files import block_payloads
 from deepinfer.engine.kv_identity import adapter_salt, kv_block_identity
 from deepinfer.engine.kvcache.connectors import DiskTierSettings
 from deepinfer.engine.kvcache.event_publisher import ZmqEventPublisher
@@ -83,11 +84,12 @@ def full_block_bytes(cfg: EngineConfig) -> int:
 
 
 def disk_tier_settings(cfg: EngineConfig) -> DiskTierSettings | None:
-    blocks = cfg.disk_kv_blocks()
-    if not blocks:
+    if not cfg.disk_kv_blocks():
         return None
-    return DiskTierSettings(cfg.kv_disk_path, kv_block_identity(cfg), blocks,
-                            full_block_bytes(cfg), cfg.tensor_parallel_size)
+    full, window = block_payloads(cfg)
+    return DiskTierSettings(cfg.kv_disk_path, kv_block_identity(cfg),
+                            int(cfg.kv_disk_gb * (1 << 30)), full, cfg.tensor_parallel_size,
+                            window)
 
 
 class SchedulerLoop:

@@ -45,6 +45,9 @@ log = logging.getLogger("deepinfer.worker")
 
 DIGEST = 32
 _PAUSE_AFTER_FAILURE = 30.0  # seconds without writes after a write failed (a full disk)
+# Failures of the disk itself (what pauses writes); others concern one block's path.
+_DISK_ERRORS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EIO, errno.EAGAIN})
+READ_DEADLINE = 30.0  # seconds a block file's read may take (a hung filesystem)
 _REPORT_EVERY = 64  # blocks written between two reports (and whenever the queue is empty)
 MAX_PENDING_BYTES = 1 << 30  # blocks waiting for the writer, at most (then saves are dropped)
 
@@ -105,6 +108,8 @@ class DiskTierWorker(WorkerConnector):
 
     def _queue(self, digest: bytes, payload: np.ndarray) -> None:
         with self.pending_lock:
+            if digest in self.pending:  # saved again before written: one write does
+                return
             if self.pending_bytes + payload.nbytes > MAX_PENDING_BYTES:
                 # The disk cannot keep up: drop the save (the scheduler hears it failed)
                 # rather than hold ever more blocks in memory.
@@ -147,11 +152,16 @@ class DiskTierWorker(WorkerConnector):
                     done.blocks += 1
                     done.seconds.append(time.perf_counter() - t0)
                 except OSError as e:
-                    if time.monotonic() >= paused_until:
+                    if e.errno not in _DISK_ERRORS:  # this block's path alone (a directory there)
+                        log.warning("disk tier: cannot write a block (%s)", e)
+                    elif time.monotonic() >= paused_until:
                         log.warning("disk tier: cannot write %s (%s); writes pause for %.0f s, "
                                     "serving goes on", self.folder, e.strerror or e,
                                     _PAUSE_AFTER_FAILURE)
                         paused_until = time.monotonic() + _PAUSE_AFTER_FAILURE
+                    done.failed += digest
+                except Exception:  # never the writer thread: saves would pile up in memory
+                    log.exception("disk tier: cannot write a block")
                     done.failed += digest
                 finally:
                     with self.pending_lock:
@@ -193,7 +203,7 @@ class DiskTierWorker(WorkerConnector):
         if payload is not None:
             return payload, 0
         try:
-            data = read_block(self.folder, digest, self.key, size)
+            data = _within(READ_DEADLINE, read_block, self.folder, digest, self.key, size)
         except DamagedBlock as e:
             delete_block(self.folder, digest)
             log.warning("disk tier: deleted a damaged block file (%s)", e)
@@ -228,6 +238,28 @@ class DiskTierWorker(WorkerConnector):
             self.window.scatter(payloads[-1].reshape(len(window), -1), window)
         return KVTransferDone(load.request_id, self.rank, blocks=len(full), bytes=nbytes,
                               seconds=time.perf_counter() - t0, error=error, damaged=damaged)
+
+
+def _within(seconds: float, read, *args):
+    """`read(*args)` on a thread of its own, given up after `seconds` (TimeoutError): a read
+    that hangs (a filesystem gone away) holds that thread, never the loader."""
+    box: list = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            box.append((True, read(*args)))
+        except BaseException as e:  # handed to the loader
+            box.append((False, e))
+        done.set()
+
+    threading.Thread(target=run, name="disk-read", daemon=True).start()
+    if not done.wait(seconds):
+        raise TimeoutError(errno.ETIMEDOUT, f"no answer in {seconds:.0f} s")
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return value
 
 
 class _Rows:

@@ -6,7 +6,9 @@ Writes: a block that enters the prefix cache is saved at once, not when it is ev
 worker half copies it to host memory after the forward that computes it (or before the forward,
 for a block evicted in the same plan, which that forward may overwrite) and a writer thread
 puts it on disk. A crash loses only what was being written. Beyond --kv-disk-gb the least
-recently used blocks are deleted.
+recently used blocks are deleted, counting the bytes their files take on disk (every rank's,
+a proposer's rows and the headers included; a snapshot by its blocks); a block trimmed in the
+plan that saves it is never written.
 
 Hybrid models: a sliding-window snapshot the prefix cache keeps (engine/kvcache/kv_manager.py)
 is saved as one more file, named after the block it ends; a hit from disk resumes its sliding
@@ -28,7 +30,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from deepinfer.engine.kv_disk_files import block_path, rank_dir, scan
+from deepinfer.engine.kv_disk_files import HEADER_BYTES, block_path, rank_dir, scan
 from deepinfer.engine.kvcache.block_hash import BlockDigests, chain, snapshot_digest
 from deepinfer.engine.kvcache.connectors.base import Arrival, KVConnector, TransferCounters
 from deepinfer.engine.kvcache.kv_events import DISK, KVEventLog
@@ -49,10 +51,15 @@ from deepinfer.engine.request import Request, Status
 @dataclass(frozen=True)
 class DiskTierSettings:
     root: str  # --kv-disk-path
-    identity: bytes  # the server's block identity key (engine/kvcache/block_identity.py)
-    blocks: int  # what --kv-disk-gb holds
-    block_bytes: int  # one block's bytes over every rank (disk usage)
+    identity: bytes  # the server's block identity key (engine/kv_identity.py)
+    budget: int  # bytes --kv-disk-gb holds
+    block_bytes: int  # one block's payload over every rank (a proposer's rows included)
     ranks: int = 1
+    window_block_bytes: int = 0  # one sliding-window block's payload in a snapshot, every rank
+
+    def file_bytes(self, payload: int) -> int:
+        """What a block (or snapshot) of `payload` bytes over every rank takes on disk."""
+        return payload + HEADER_BYTES * self.ranks
 
 
 @dataclass
@@ -82,8 +89,12 @@ class DiskTier(KVConnector):
         self.digests = BlockDigests(settings.identity, kv.block_size)
         # Where rank 0's files are: what lookups check (every rank writes its own share).
         self.folder: Path = rank_dir(settings.root, settings.identity, 0)
-        self.index: OrderedDict[bytes, None] = OrderedDict(  # LRU order: oldest first
-            (d, None) for d, _ in sorted(scan(self.folder), key=lambda e: e[1]))
+        # Digest -> its bytes on disk (every rank's files), LRU order: oldest first.
+        self.index: OrderedDict[bytes, int] = OrderedDict(
+            (d, size * settings.ranks) for d, _, size in sorted(scan(self.folder),
+                                                               key=lambda e: e[1]))
+        self.used = sum(self.index.values())
+        self.full_bytes = settings.file_bytes(settings.block_bytes)
         self._pinned: set[bytes] = set()  # being loaded: not deleted meanwhile
         # Blocks whose read failed: never learnt again from a file (one that could not be
         # deleted would fail every retry), only saved anew.
@@ -102,6 +113,10 @@ class DiskTier(KVConnector):
         self._loading: dict[str, _Loading] = {}
         self.counters = DiskCounters()
         self.events: KVEventLog | None = None
+        # Blocks announced as stored on DISK (KV events): only those are ever withdrawn. One
+        # found on disk (at start, or written by another server) is announced when a lookup
+        # meets it, where its tokens and parent are known.
+        self._announced: set[bytes] = set()
         self._trim()
 
     def report_events(self, log: KVEventLog) -> None:
@@ -119,13 +134,31 @@ class DiskTier(KVConnector):
             if digest in self.index:
                 self.index.move_to_end(digest)
             else:
-                self.index[digest] = None
+                self._add(digest, self.full_bytes)
                 self._failed.discard(digest)
                 self._saves.append((block, digest))
-                if self.events is not None:
-                    self.events.tier_stored(DISK, digest, digests[i - 1] if i else parent,
-                                            tokens[i * bs:(i + 1) * bs])
+            self._announce(digest, digests[i - 1] if i else parent, tokens[i * bs:(i + 1) * bs])
         self._trim()
+
+    def _add(self, name: bytes, size: int) -> None:
+        self.index[name] = size
+        self.used += size
+
+    def _forget(self, name: bytes) -> bool:
+        """Drop a block from the index (and withdraw its announcement); whether it was in."""
+        size = self.index.pop(name, None)
+        if size is None:
+            return False
+        self.used -= size
+        if name in self._announced and self.events is not None:
+            self._announced.discard(name)
+            self.events.tier_removed(DISK, name)
+        return True
+
+    def _announce(self, digest: bytes, parent: bytes | None, tokens) -> None:
+        if self.events is not None and digest not in self._announced:
+            self._announced.add(digest)
+            self.events.tier_stored(DISK, digest, parent, tokens)
 
     def on_evict(self, tokens, device_block: int) -> None:
         self.digests.removed(device_block)
@@ -143,7 +176,8 @@ class DiskTier(KVConnector):
         if name in self.index:
             self.index.move_to_end(name)
             return
-        self.index[name] = None
+        self._add(name, self.settings.file_bytes(
+            self.settings.window_block_bytes * len(snapshot.blocks)))
         self._failed.discard(name)
         self._window_saves.append((name, snapshot))
         self._trim()
@@ -153,24 +187,32 @@ class DiskTier(KVConnector):
         by the plan being built); it was never on disk."""
         for name, snap in self._window_saves:
             if snap is snapshot:
-                self.index.pop(name, None)
+                self._forget(name)
         self._window_saves = [(n, s) for n, s in self._window_saves if s is not snapshot]
 
     def _trim(self) -> None:
-        """Delete least recently used blocks beyond the size (never one being loaded)."""
-        excess = len(self.index) - self.settings.blocks
-        if excess <= 0:
+        """Delete least recently used blocks beyond the budget (never one being loaded). One
+        whose save is still to be planned is not saved instead: deleted before the forward
+        and written after it, it would stay on disk unindexed."""
+        if self.used <= self.settings.budget:
             return
         for digest in list(self.index):
-            if excess <= 0:
+            if self.used <= self.settings.budget:
                 break
             if digest in self._pinned:
                 continue
-            del self.index[digest]
-            self._deletes.append(digest)
-            if self.events is not None:
-                self.events.tier_removed(DISK, digest)
-            excess -= 1
+            self._forget(digest)
+            if not self._unsave(digest):
+                self._deletes.append(digest)
+
+    def _unsave(self, name: bytes) -> bool:
+        """Take `name` out of the saves still to be planned (whether it was among them)."""
+        for saves in (self._saves, self._saves_now, self._window_saves):
+            for i, save in enumerate(saves):
+                if save[0 if saves is self._window_saves else 1] == name:
+                    del saves[i]
+                    return True
+        return False
 
     # ------------------------------------------------------------------ reads
 
@@ -180,9 +222,11 @@ class DiskTier(KVConnector):
             return []
         digests = self._prompt_digests(tokens, end // bs)
         found = []
-        for digest in digests[start // bs:]:
+        for j in range(start // bs, len(digests)):
+            digest = digests[j]
             if not self._on_disk(digest):
                 break
+            self._announce(digest, digests[j - 1] if j else None, tokens[j * bs:(j + 1) * bs])
             found.append(self._pin(digest))
         return found
 
@@ -218,10 +262,15 @@ class DiskTier(KVConnector):
         if name in self.index:
             self.index.move_to_end(name)
             return True
-        if name not in self._failed and block_path(self.folder, name).exists():
-            self.index[name] = None
-            return True
-        return False
+        if name in self._failed:
+            return False
+        try:
+            size = block_path(self.folder, name).stat().st_size
+        except OSError:
+            return False
+        self._add(name, size * self.settings.ranks)
+        self._trim()
+        return name in self.index
 
     def _pin(self, name: bytes) -> int:
         """A handle for the plan being built; not deleted until its load reports."""
@@ -269,7 +318,7 @@ class DiskTier(KVConnector):
         if failed:  # the first that failed, damaged or gone: recompute it
             bad = loading.digests[good] if good < len(loading.digests) else loading.window
             if bad is not None:
-                self.index.pop(bad, None)
+                self._forget(bad)
                 self._failed.add(bad)
         if loading.aborted:
             self.kv.release(loading.req)
@@ -286,7 +335,7 @@ class DiskTier(KVConnector):
         for seconds in msg.seconds:
             writes.observe(seconds)
         for i in range(0, len(msg.failed), 32):  # not on disk after all (a full disk)
-            self.index.pop(msg.failed[i:i + 32], None)
+            self._forget(msg.failed[i:i + 32])
 
     def finished(self, req: Request, status: Status, logprobs) -> tuple[bool, None]:
         """A request aborted while it loads keeps its blocks until the loads report (the
@@ -325,7 +374,7 @@ class DiskTier(KVConnector):
     def fill_stats(self, stats: SchedulerStats) -> None:
         c = self.counters
         stats.disk_blocks_used = len(self.index)
-        stats.disk_used_bytes = len(self.index) * self.settings.block_bytes
+        stats.disk_used_bytes = self.used
         stats.disk_hit_tokens = c.hit_tokens
         stats.disk_corrupt_blocks = c.corrupt
         stats.disk_bytes_read = c.reads.bytes

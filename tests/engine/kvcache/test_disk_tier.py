@@ -96,10 +96,15 @@ class FakeWorker:
                                                        error=error))
 
 
+def settings(root: Path, blocks: int) -> DiskTierSettings:
+    """Room for `blocks` blocks (their files: header and payload)."""
+    return DiskTierSettings(str(root), ID, blocks * (HEADER_BYTES + PAYLOAD), PAYLOAD)
+
+
 def make(root: Path, num_blocks: int = 16, disk_blocks: int = 1000) -> tuple[Scheduler, FakeWorker]:
     sched = Scheduler(SchedulerConfig(
         num_blocks=num_blocks, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
-        context_len=64, disk_tier=DiskTierSettings(str(root), ID, disk_blocks, PAYLOAD)))
+        context_len=64, disk_tier=settings(root, disk_blocks)))
     return sched, FakeWorker(sched, root, num_blocks)
 
 
@@ -131,7 +136,7 @@ def test_blocks_reach_disk_as_they_are_cached_and_a_new_server_reads_them(tmp_pa
     sched, worker = make(tmp_path)
     add(sched, "a", prompt)
     run(sched, worker)
-    files = sorted(d for d, _ in scan(rank_dir(tmp_path, ID, 0)))
+    files = sorted(d for d, _, _ in scan(rank_dir(tmp_path, ID, 0)))
     assert len(files) == 5 and sorted(disk(sched).index) == files  # no eviction needed
     # A restarted server: an empty device cache; the prefix comes from disk.
     sched, worker = make(tmp_path)
@@ -273,7 +278,7 @@ def test_scan_skips_temporary_files_and_sweeps_stale_ones(tmp_path):
     stale.write_bytes(b"partial")
     old = time.time() - 3600
     os.utime(stale, (old, old))
-    assert [d for d, _ in scan(folder)] == [b"\x03" * 32]
+    assert [d for d, _, _ in scan(folder)] == [b"\x03" * 32]
     assert fresh.exists() and not stale.exists()
 
 
@@ -285,7 +290,7 @@ def test_the_disk_tier_reports_its_blocks_as_kv_events_on_the_disk_medium(tmp_pa
     sched = Scheduler(SchedulerConfig(
         num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
         context_len=64, kv_events_identity=ID,
-        disk_tier=DiskTierSettings(str(tmp_path), ID, 3, PAYLOAD)))
+        disk_tier=settings(tmp_path, 3)))
     worker = FakeWorker(sched, tmp_path, 16)
     add(sched, "a", list(range(500, 517)))
     run(sched, worker)
@@ -340,3 +345,100 @@ def test_an_admission_chains_its_prompts_digests_once(tmp_path, monkeypatch):
     assert tier.match_snapshot(prompt, 16, 0) == (12, 4)  # the handle after match()'s four
     assert chained == [4]
     assert tier.match(np.arange(100, 117), 0, 16) == [] and chained == [4, 4]
+
+
+# ---------------------------------------------------------------------- the budget, in bytes
+
+
+def on_disk(root: Path) -> dict[bytes, int]:
+    return {d: size for d, _, size in scan(rank_dir(root, ID, 0))}
+
+
+def test_blocks_trimmed_in_the_plan_that_saves_them_are_never_written(tmp_path):
+    """A prompt of four blocks into a tier that holds two: the two oldest go in the plan that
+    caches them, so they are not saved (they were deleted before the forward and written
+    after it, left on disk unindexed, beyond the budget)."""
+    sched, worker = make(tmp_path, disk_blocks=2)
+    add(sched, "a", list(range(600, 617)))
+    run(sched, worker)
+    files = on_disk(tmp_path)
+    assert sorted(files) == sorted(disk(sched).index) and len(files) == 2
+    assert sched.stats().disk_used_bytes == sum(files.values())
+
+
+def test_a_snapshot_counts_the_bytes_of_each_of_its_blocks(tmp_path):
+    from deepinfer.engine.kvcache.radix_cache import Snapshot
+
+    budget = 3 * (HEADER_BYTES + PAYLOAD)
+    sched = Scheduler(SchedulerConfig(
+        num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
+        context_len=64, disk_tier=DiskTierSettings(str(tmp_path), ID, budget, PAYLOAD,
+                                                   window_block_bytes=PAYLOAD)))
+    tier = disk(sched)
+    tier.on_stored(None, list(range(8)), [3, 5])
+    tier.on_snapshot(5, Snapshot(0, list(range(4, 16))))  # twelve blocks' rows: about 3 files
+    assert sched.stats().disk_used_bytes <= budget
+    assert len(tier.index) == 1  # the snapshot alone fits, the two blocks before it went
+
+
+def test_the_disk_budget_counts_a_draft_models_rows(tiny_model_dir):
+    from deepinfer.engine.config import EngineConfig
+    from deepinfer.engine.scheduler.scheduler_process import disk_tier_settings
+
+    plain = EngineConfig(model=str(tiny_model_dir), kv_disk_path="/nowhere", kv_disk_gb=1.0)
+    draft = EngineConfig(model=str(tiny_model_dir), kv_disk_path="/nowhere", kv_disk_gb=1.0,
+                         speculative_method="draft", speculative_model=str(tiny_model_dir))
+    assert disk_tier_settings(draft).block_bytes == 2 * disk_tier_settings(plain).block_bytes
+    assert disk_tier_settings(plain).budget == 1 << 30
+
+
+# ---------------------------------------------------------------------- KV events of the tier
+
+
+def disk_events(sched: Scheduler) -> tuple[list, list]:
+    import msgspec
+
+    events = msgspec.msgpack.decode(msgspec.msgpack.encode(sched.kv_events.take()))
+    stored = [h for e in events if e[0] == "BlockStored" and e[6] == "DISK" for h in e[1]]
+    removed = [h for e in events if e[0] == "BlockRemoved" and e[2] == "DISK" for h in e[1]]
+    return stored, removed
+
+
+def events_tier(root: Path, blocks: int = 1000) -> tuple[Scheduler, FakeWorker]:
+    sched = Scheduler(SchedulerConfig(
+        num_blocks=16, block_size=BS, max_num_seqs=4, max_num_batched_tokens=64,
+        context_len=64, kv_events_identity=ID, disk_tier=settings(root, blocks)))
+    return sched, FakeWorker(sched, root, 16)
+
+
+def test_a_failed_write_withdraws_its_disk_event(tmp_path):
+    from deepinfer.engine.kvcache.block_hash import external_hash
+
+    sched, _ = events_tier(tmp_path)
+    tier = disk(sched)
+    tier.on_stored(None, list(range(8)), [3, 5])
+    names = list(tier.index)
+    sched.connector_report(DiskWrites(0, blocks=1, failed=names[1]))
+    stored, removed = disk_events(sched)
+    assert removed == [external_hash(names[1])] and set(removed) <= set(stored)
+
+
+def test_blocks_found_on_disk_are_announced_when_met_and_only_announced_ones_withdrawn(
+        tmp_path):
+    from deepinfer.engine.kvcache.block_hash import external_hash
+
+    prompt = list(range(700, 717))
+    writer, writer_worker = make(tmp_path)
+    add(writer, "w", prompt)
+    run(writer, writer_worker)  # four blocks on disk
+    sched, worker = events_tier(tmp_path, blocks=6)
+    assert disk_events(sched) == ([], [])  # found at start: no tokens known, nothing said
+    add(sched, "r", prompt)
+    run(sched, worker)
+    stored, removed = disk_events(sched)
+    assert {external_hash(d) for d in disk(sched).index} <= set(stored)
+    add(sched, "x", list(range(800, 833)))  # eight more blocks: the older ones are trimmed
+    run(sched, worker)
+    stored2, removed2 = disk_events(sched)
+    assert set(removed2) <= set(stored) | set(stored2)  # never a hash that was not stored
+    assert removed2
