@@ -31,6 +31,7 @@ from deepinfer.workers.cuda_graphs import DecodeGraphs, capture_sizes
 from deepinfer.workers.distributed.parallel_state import group, tp
 from deepinfer.workers.kv_cache import KVCache
 from deepinfer.workers.kv_connectors import WorkerConnector, build_worker_connectors
+from deepinfer.workers.kv_connectors.base import before_forward as connectors_before_forward
 from deepinfer.workers.loader import DTYPES, load_model
 from deepinfer.workers.lora.adapters import CURRENT, step_adapters, step_slots
 from deepinfer.workers.lora.resident import ResidentAdapters, load_failure
@@ -136,10 +137,7 @@ class ModelRunner:
         self.grammars.submit(msg.request_id, msg.grammar, on_ready)
 
     def _update_states(self, plan: StepPlan) -> None:
-        for connector in self.connectors:
-            entry = plan.connectors.get(connector.name)
-            if entry is not None:
-                connector.before_forward(entry)
+        connectors_before_forward(self.connectors, plan.connectors)
         for rid in plan.finished:
             self.states.pop(rid, None)
             if self._grammars is not None:

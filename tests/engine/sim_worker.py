@@ -1,10 +1,12 @@
 """A simulated worker that records what every KV slot holds, to check the scheduler's plans.
 
-It follows a StepPlan the way the real worker does (host-tier copies first, then every
-scheduled token's K/V written at its slot, then attention reads) but stores, instead of K/V
-tensors, the identity of what was computed there: a hash of the request's tokens from position 0
-through that position (a causal model's K/V at p depends on exactly those). Every key a query
-reads must hold the identity of the querying request's own prefix at that key's position;
+It follows a StepPlan the way the real worker does (the KV connectors' work before the forward,
+in the order workers/kv_connectors/base.py runs it, then every scheduled token's K/V written at
+its slot, then attention reads, then the connectors' work after the forward) but stores, instead
+of K/V tensors, the identity of what was computed there: a hash of the request's tokens from
+position 0 through that position (a causal model's K/V at p depends on exactly those). Every
+key a query reads must hold the identity of the querying request's own prefix at that key's
+position;
 anything else (a stale block, a block another request overwrote, a host block recycled too
 early) is a wrong answer the real engine would have given silently.
 
@@ -22,7 +24,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from deepinfer.engine.model_config import FULL, SLIDING
-from deepinfer.engine.protocol import StepPlan, StepResult, pack_ids, unpack_ids
+from deepinfer.engine.protocol import (
+    DiskTierWork,
+    HostTierCopies,
+    KVTransferDone,
+    StepPlan,
+    StepResult,
+    pack_ids,
+    unpack_ids,
+)
+from deepinfer.workers.kv_connectors.base import WorkerConnector, before_forward
 
 CORRUPT = -1  # a slot whose contents are undefined (e.g. two copies raced into it)
 
@@ -60,7 +71,10 @@ class SimulatedWorker:
         self.sample = sample
         self.vocab = vocab
         self.device: list[dict[int, int]] = [{} for _ in groups]  # slot -> identity
-        self.host: dict[int, int] = {}  # host slot -> identity (full-attention group)
+        # The KV connectors' halves, run in the real worker's order (workers/kv_connectors).
+        self.host = SimHostTier(self)
+        self.disk = SimDiskTier(self)
+        self.connectors: list[WorkerConnector] = [self.host, self.disk]
         self.seqs: dict[str, _Seq] = {}
         self.slots_checked = 0
 
@@ -71,7 +85,7 @@ class SimulatedWorker:
             self.seqs.pop(rid, None)
         for new in plan.new_requests:
             self.seqs[new.request_id] = _Seq(unpack_ids(new.prompt_ids).tolist())
-        self._copy_blocks(plan)
+        before_forward(self.connectors, plan.connectors)
         sampled: list[int] = []
         counts: list[int] = []
         proposed: list[int] = []
@@ -89,30 +103,14 @@ class SimulatedWorker:
                 sampled += new
                 counts.append(len(new))
                 proposed.append(len(drafts))
+        for connector in self.connectors:
+            entry = plan.connectors.get(connector.name)
+            if entry is not None:
+                connector.after_forward(entry)
         speculated = any(seq.draft_slots for seq in plan.seqs)
         return StepResult(plan.step_id, pack_ids(sampled),
                           num_sampled=pack_ids(counts) if speculated else b"",
                           num_drafts=pack_ids(proposed) if speculated else b"")
-
-    def _copy_blocks(self, plan: StepPlan) -> None:
-        copies = plan.connectors.get("host_tier")  # the host tier's saves and loads
-        if copies is None:
-            return
-        full = self.groups.index(FULL)
-        bs = self.block_size
-        out = unpack_ids(copies.saves).reshape(-1, 2).tolist()
-        into = unpack_ids(copies.loads).reshape(-1, 2).tolist()
-        # The real worker copies all pairs in one indexed copy: a target written twice in one
-        # plan holds either source, so treat it as undefined.
-        targets = [h for _, h in out]
-        for dev, host in out:
-            for o in range(bs):
-                value = self.device[full].get(dev * bs + o)
-                twice = targets.count(host) > 1
-                self.host[host * bs + o] = CORRUPT if twice or value is None else value
-        for host, dev in into:
-            for o in range(bs):
-                self.device[full][dev * bs + o] = self.host.get(host * bs + o, CORRUPT)
 
     def _run_seq(self, seq, drafts: list[int]) -> int:
         """Write the seq's K/V (drafts after its input), check every key its queries read;
@@ -159,3 +157,95 @@ class SimulatedWorker:
             raise SlotError(f"{rid}: query at {q} reads key {key} of group {self.groups[g]} "
                             f"holding {what}")
         self.slots_checked += 1
+
+
+class SimHostTier(WorkerConnector):
+    """The host tier's copies (workers/kv_connectors/host_tier.py) over slot identities."""
+
+    name = "host_tier"
+
+    def __init__(self, worker: SimulatedWorker) -> None:
+        self.worker = worker
+        self.slots: dict[int, int] = {}  # host slot -> identity (full-attention group)
+
+    def save(self, entry: HostTierCopies) -> None:
+        w, bs = self.worker, self.worker.block_size
+        device = w.device[w.groups.index(FULL)]
+        out = unpack_ids(entry.saves).reshape(-1, 2).tolist()
+        # The real worker copies all pairs in one indexed copy: a target written twice in one
+        # plan holds either source, so treat it as undefined.
+        targets = [h for _, h in out]
+        for dev, host in out:
+            for o in range(bs):
+                value = device.get(dev * bs + o)
+                twice = targets.count(host) > 1
+                self.slots[host * bs + o] = CORRUPT if twice or value is None else value
+
+    def before_forward(self, entry: HostTierCopies) -> None:
+        w, bs = self.worker, self.worker.block_size
+        device = w.device[w.groups.index(FULL)]
+        for host, dev in unpack_ids(entry.loads).reshape(-1, 2).tolist():
+            for o in range(bs):
+                device[dev * bs + o] = self.slots.get(host * bs + o, CORRUPT)
+
+
+class SimDiskTier(WorkerConnector):
+    """The disk tier's worker half (workers/kv_connectors/disk_tier.py) over slot identities:
+    a save copies a block's identities under its digest (what the writer would put in its file),
+    a load lands at once (the loader thread's earliest) and reports when `reports` is drained."""
+
+    name = "disk_tier"
+
+    def __init__(self, worker: SimulatedWorker) -> None:
+        self.worker = worker
+        self.files: dict[bytes, list[int]] = {}  # digest -> what its file holds, slot by slot
+        self.reports: list[KVTransferDone] = []
+
+    def _gather(self, group: str, blocks: bytes) -> list[int]:
+        w, bs = self.worker, self.worker.block_size
+        device = w.device[w.groups.index(group)]
+        return [device.get(b * bs + o, CORRUPT) for b in unpack_ids(blocks).tolist()
+                for o in range(bs)]
+
+    def _save(self, blocks: bytes, digests: bytes) -> None:
+        bs = self.worker.block_size
+        values = self._gather(FULL, blocks)
+        for i in range(len(digests) // 32):
+            self.files[digests[i * 32:(i + 1) * 32]] = values[i * bs:(i + 1) * bs]
+
+    def save(self, entry: DiskTierWork) -> None:
+        self._save(entry.saves_now, entry.save_now_digests)
+
+    def before_forward(self, entry: DiskTierWork) -> None:
+        for i in range(0, len(entry.deletes), 32):
+            self.files.pop(entry.deletes[i:i + 32], None)
+        w, bs = self.worker, self.worker.block_size
+        for load in entry.loads:
+            targets = [(FULL, b) for b in unpack_ids(load.blocks).tolist()]
+            names = [load.digests[i:i + 32] for i in range(0, len(load.digests), 32)]
+            window = unpack_ids(load.window_blocks).tolist()
+            good, error = 0, None
+            for (group, block), name in zip(targets, names):
+                held = self.files.get(name)
+                if held is None:
+                    error = "gone"
+                    break
+                device = w.device[w.groups.index(group)]
+                for o in range(bs):
+                    device[block * bs + o] = held[o]
+                good += 1
+            if window and error is None:
+                held = self.files.get(load.window_digest)
+                if held is None:
+                    error = "gone"
+                else:
+                    device = w.device[w.groups.index(SLIDING)]
+                    for j, block in enumerate(window):
+                        for o in range(bs):
+                            device[block * bs + o] = held[j * bs + o]
+            self.reports.append(KVTransferDone(load.request_id, 0, blocks=good, error=error))
+
+    def after_forward(self, entry: DiskTierWork) -> None:
+        self._save(entry.saves, entry.save_digests)
+        for save in entry.window_saves:
+            self.files[save.digest] = self._gather(SLIDING, save.blocks)

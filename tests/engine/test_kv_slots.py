@@ -16,7 +16,9 @@ from collections import deque
 import numpy as np
 import pytest
 
+from deepinfer.engine.kv_disk_files import HEADER_BYTES
 from deepinfer.engine.kv_layout import FULL, SLIDING, KVGroup
+from deepinfer.engine.kvcache.connectors import DiskTierSettings
 from deepinfer.engine.protocol import FinishReason, SamplingParams, TokenizedRequest, pack_ids
 from deepinfer.engine.scheduler.scheduler import Scheduler, SchedulerConfig
 from tests.engine.sim_worker import SimulatedWorker
@@ -54,12 +56,19 @@ def run_traffic(cfg: SchedulerConfig, seed: int, steps: int, lag: int) -> tuple[
     window = next((g.window for g in cfg.kv_groups if g.kind == SLIDING), None)
     worker = SimulatedWorker([g.kind for g in cfg.kv_groups], cfg.block_size, window,
                              random.Random(seed + 1), vocab=[EOS] + list(range(3, 12)) * 4)
+    loads = random.Random(seed + 2)  # when the disk tier's loads report (its own draws)
     prefixes = [np.random.default_rng(seed * 10 + i).integers(3, 300, 40).tolist()
                 for i in range(3)]
     in_flight: deque = deque()
     live: list[str] = []
 
+    def land(every: bool) -> None:
+        reports = worker.disk.reports
+        while reports and (every or loads.random() < 0.5):
+            s.connector_report(reports.pop(0))
+
     def deliver() -> None:
+        land(False)
         step, result = in_flight.popleft()
         for delta in s.update(step, result):
             if delta.finish_reason is None and rng.random() < 0.03:
@@ -86,12 +95,15 @@ def run_traffic(cfg: SchedulerConfig, seed: int, steps: int, lag: int) -> tuple[
             in_flight.append((step, worker.execute(step.plan)))
         while len(in_flight) > lag or (in_flight and step is None):
             deliver()
-    while s.has_work() or in_flight:
+        if step is None:
+            land(True)
+    while s.has_work() or in_flight or worker.disk.reports:
         step = s.schedule()
         if step is not None:
             in_flight.append((step, worker.execute(step.plan)))
         while in_flight:
             deliver()
+        land(True)
     return s, worker.slots_checked
 
 
@@ -107,6 +119,25 @@ def test_random_configs_read_only_their_own_kv(seed):
     rng = random.Random(seed)
     cfg = random_config(rng)
     s, checked = run_traffic(cfg, seed, steps=250, lag=seed % 2)
+    assert checked > 0
+    assert_all_blocks_back(s)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_host_and_disk_tiers_together_read_only_their_own_kv(seed, tmp_path):
+    """Both tiers of evicted blocks at once: a device block evicted in a plan is saved (to the
+    host, to disk) before any connector's load reuses it; what is read back from either tier
+    is the prefix it is named after."""
+    rng = random.Random(2000 + seed)
+    cfg = random_config(rng)
+    blocks = rng.choice([4, 16, 10**6])  # what the disk holds
+    disk = DiskTierSettings(str(tmp_path), bytes(32), budget=blocks * (HEADER_BYTES + 1),
+                            block_bytes=1, window_block_bytes=1)
+    # A small device pool: blocks a request leaves in the cache are evicted in the next plan
+    # (their disk saves not yet sent) and reused as host-tier load targets.
+    cfg = dataclasses.replace(cfg, num_blocks=rng.randint(5, 10), prefix_caching=True,
+                              host_blocks=rng.randint(4, 32), disk_tier=disk)
+    s, checked = run_traffic(cfg, 2000 + seed, steps=250, lag=seed % 2)
     assert checked > 0
     assert_all_blocks_back(s)
 

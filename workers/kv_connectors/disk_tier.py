@@ -86,9 +86,11 @@ class DiskTierWorker(WorkerConnector):
 
     # ------------------------------------------------------------------ the step loop
 
-    def before_forward(self, entry: DiskTierWork) -> None:
+    def save(self, entry: DiskTierWork) -> None:
         if entry.saves_now:
             self._save(entry.saves_now, entry.save_now_digests)
+
+    def before_forward(self, entry: DiskTierWork) -> None:
         for digest in _digests(entry.deletes):
             self.writes.put(("delete", digest, None))
         for load in entry.loads:

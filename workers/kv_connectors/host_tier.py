@@ -1,8 +1,8 @@
 """The host tier, worker half: before each forward, run the copies the scheduler half
-(engine/kvcache/connectors/host_tier.py) put in the plan: saves (device -> host) first, then
-loads (host -> device), over the full-attention entries of every holder of KV in the target's
-blocks: the target's cache and a proposer's own (workers/kv_cache.py). It keeps one host pool
-per device pair."""
+(engine/kvcache/connectors/host_tier.py) put in the plan: saves (device -> host) with every
+connector's saves, then loads (host -> device), over the full-attention entries of every
+holder of KV in the target's blocks: the target's cache and a proposer's own
+(workers/kv_cache.py). It keeps one host pool per device pair."""
 
 from __future__ import annotations
 
@@ -47,9 +47,13 @@ class HostTierWorker(WorkerConnector):
         self.device = [pair for cache in holders for pair in cache.full_attention()]
         self.host = host_pairs(self.device, host_blocks)
 
+    def save(self, entry: HostTierCopies) -> None:
+        self._copy(entry.saves, True)
+
     def before_forward(self, entry: HostTierCopies) -> None:
-        for packed, save in ((entry.saves, True), (entry.loads, False)):
-            if not packed:
-                continue
+        self._copy(entry.loads, False)
+
+    def _copy(self, packed: bytes, save: bool) -> None:
+        if packed:
             pairs = torch.from_numpy(unpack_ids(packed).astype(np.int64)).view(-1, 2)
             copy_blocks(pairs, self.device, self.host, save)

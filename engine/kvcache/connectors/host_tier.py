@@ -5,9 +5,9 @@ When the radix cache evicts a full-attention block, its contents are copied (sav
 host block, indexed by a digest of every token from the start through that block. A later
 request whose prefix continues past the radix hit looks the next blocks up here and copies them
 back (loads them) instead of recomputing them. The copies are listed in the next StepPlan and
-the workers run them before the forward pass (workers/kv_connectors/host_tier.py): saves first,
-then loads, so a device block evicted and reused in the same step is saved before it is
-overwritten.
+the workers run them before the forward pass (workers/kv_connectors/host_tier.py): every
+connector's saves first, then loads, so a device block evicted and reused in the same step (by
+this tier or another) is saved before it is overwritten.
 
 Invariant: while a plan is being built, a host block it reads (a load's source, pinned from the
 moment match() finds it) or writes (a save's target) is never handed out again, so one plan
