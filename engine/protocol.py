@@ -154,6 +154,9 @@ class SamplingParams(msgspec.Struct, kw_only=True, **_STRUCT):
     remote_prefill: KVTransferParams | None = None
     # Multi-LoRA: the adapter this request runs with (its --lora-modules name; None: the base).
     lora: Annotated[str, msgspec.Meta(max_length=256)] | None = None
+    # vLLM's cache_salt: mixed into the identity of this request's KV blocks (every tier, KV
+    # events), so only requests with the same salt share cached prefixes (engine/kv_identity.py).
+    cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
 
     def is_greedy(self) -> bool:
         return self.temperature < 1e-5 or self.top_k == 1  # tiny temperatures too (as vLLM)

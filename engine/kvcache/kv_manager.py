@@ -40,7 +40,8 @@ def cache_tokens(req: Request, tokens: np.ndarray) -> np.ndarray:
     """The ids the prefix cache (and every tier, through the block digests) files a request's
     tokens under: a LoRA request's are its adapter's own (ids shifted above 2^32 by the
     adapter's salt, engine/kv_identity.py adapter_salt), so two adapters, or an adapter and the
-    base model, never share KV for the same tokens."""
+    base model, never share KV for the same tokens; a client's cache_salt is mixed into that
+    salt (engine/kv_identity.py request_salt), keeping its requests' KV to themselves."""
     if not req.cache_salt:
         return tokens
     return np.asarray(tokens, dtype=np.int64) + (req.cache_salt << 32)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from deepinfer.engine.kv_identity import request_salt
 from deepinfer.engine.kv_layout import FULL, KVGroup
 from deepinfer.engine.kvcache.connectors import DiskTierSettings, KVConnector, build_connectors
 from deepinfer.engine.kvcache.kv_events import KVEventLog
@@ -125,7 +126,8 @@ class Scheduler:
         lora = msg.params.lora
         if lora is not None and lora not in self.config.lora_salts:
             return self._reject(msg.request_id, f"no LoRA adapter {lora!r} is loaded")
-        salt = self.config.lora_salts[lora] if lora is not None else 0
+        salt = request_salt(self.config.lora_salts[lora] if lora is not None else 0,
+                            msg.params.cache_salt)
         for connector in self.connectors:
             why = connector.check(prompt, msg.params, salt)
             if why is not None:

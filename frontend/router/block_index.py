@@ -9,7 +9,8 @@ and AllBlocksCleared apply at once.
 
 A LoRA adapter's blocks (BlockStored's 8th element, `lora_name`) chain from the adapter's own
 root key, as the replica's cache keeps them apart: a request matches them only when its `model`
-names that adapter.
+names that adapter. Blocks with a `lora_id` but no adapter name are a client's cache_salt's:
+they chain from a root of their own that no request reaches (the router cannot compute salts).
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ def _key(parent: int, block: Sequence[int]) -> int:
     return hash((parent, tuple(block)))
 
 
-def _root(adapter: str | None) -> int:
-    """The parent key of a sequence's first block: the base model's, or an adapter's own."""
+def _root(adapter: str | tuple | None) -> int:
+    """The parent key of a sequence's first block: the base model's, or an adapter's own (or
+    a salted request's: ("salt", its lora_id), which the router cannot compute)."""
     if adapter is None:
         return _ROOT
     # (str hashes are randomized per process; these keys never leave this one)
@@ -57,9 +59,11 @@ class BlockIndex:
                 continue
             tag = event[0]
             if tag == "BlockStored" and len(event) >= 5:
+                adapter = event[7] if len(event) > 7 and isinstance(event[7], str) else None
+                if adapter is None and len(event) > 5 and event[5] is not None:
+                    adapter = ("salt", event[5])  # a client's cache_salt: no request matches
                 self._stored(replica, held, event[1], event[2], event[3], event[4],
-                             event[6] if len(event) > 6 else None,
-                             event[7] if len(event) > 7 and isinstance(event[7], str) else None)
+                             event[6] if len(event) > 6 else None, adapter)
             elif tag == "BlockRemoved" and len(event) >= 2:
                 self._removed(replica, held, event[1], event[2] if len(event) > 2 else None)
             elif tag == "AllBlocksCleared":
@@ -68,10 +72,10 @@ class BlockIndex:
                 held.clear()
 
     def _stored(self, replica: str, held: dict, hashes: list, parent_hash, tokens: list,
-                block_size: int, medium, adapter: str | None) -> None:
+                block_size: int, medium, adapter: str | tuple | None) -> None:
         if parent_hash is None:
             parent = _root(adapter)
-            if adapter is not None:
+            if isinstance(adapter, str):
                 self._adapters.add(adapter)
         elif parent_hash in held:
             parent = held[parent_hash][0]

@@ -225,6 +225,8 @@ def chat_body(req: MessagesRequest | CountTokensRequest, context_len: int) -> di
             body[name] = getattr(req, name)
     if req.stop_sequences is not None:
         body["stop"] = req.stop_sequences
+    if req.cache_salt is not None:
+        body["cache_salt"] = req.cache_salt
     return body
 
 

@@ -138,6 +138,7 @@ class MessagesRequest(CountTokensRequest, **_REQ):
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    cache_salt: str | None = None  # vLLM's extension (frontend/server/common/sampling.py)
 
 
 def decode_messages(body: bytes) -> MessagesRequest:

@@ -72,6 +72,8 @@ class _SamplingFields(msgspec.Struct, **_REQ):
     prompt_logprobs: int | None = None
     # DeepInfer extension: false opts this request out of speculative decoding.
     speculative_decoding: bool | None = None
+    # vLLM's: only requests with the same salt share cached prefixes (tenant isolation).
+    cache_salt: str | None = None
     # Structured output: OpenAI's response_format, then vLLM's guided decoding extensions.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | bool | str | None = None

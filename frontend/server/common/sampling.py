@@ -18,6 +18,7 @@ from deepinfer.frontend.server.errors import APIError
 MAX_N = 16
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
+MAX_CACHE_SALT = 1024
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # as OpenAI's legacy completions endpoint
 INT32_MAX = 2**31 - 1  # token ids travel as int32 (engine.protocol.pack_ids); top_k is kept in it
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1  # a seed is a signed 64-bit integer, as in vLLM
@@ -121,6 +122,12 @@ def _prompt_logprobs(req: _SamplingFields) -> int | None:
     return value
 
 
+def _cache_salt(value: str | None) -> str | None:
+    _check(value is None or 0 < len(value) <= MAX_CACHE_SALT, "cache_salt",
+           f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
+    return value
+
+
 def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None,
             grammar: GrammarSpec | None, prompt_logprobs: int | None = None) -> SamplingParams:
     temperature, top_p, min_p, rep = _floats(req)
@@ -148,6 +155,7 @@ def _common(req: _SamplingFields, max_tokens: int, logprobs: int | None,
         skip_special_tokens=req.skip_special_tokens is not False,
         speculative=req.speculative_decoding is not False,
         grammar=grammar,
+        cache_salt=_cache_salt(req.cache_salt),
     )
 
 

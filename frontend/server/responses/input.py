@@ -219,7 +219,7 @@ def chat_request(req: ResponsesRequest, items: list[InputItem]) -> dict[str, Any
         "response_format": _response_format(req), "user": req.user,
         "reasoning_effort": req.reasoning.effort if req.reasoning is not None else None,
         "logprobs": wants_logprobs(req) or None, "top_logprobs": req.top_logprobs,
-        "stream": req.stream,
+        "stream": req.stream, "cache_salt": req.cache_salt,
     }
     return {k: v for k, v in body.items() if v is not None}
 

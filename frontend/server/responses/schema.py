@@ -146,6 +146,7 @@ class ResponsesRequest(msgspec.Struct, **_REQ):
     include: list[str] | None = None
     top_logprobs: int | None = None
     max_tool_calls: int | None = None
+    cache_salt: str | None = None  # vLLM's extension (frontend/server/common/sampling.py)
     # Declared so that a client sending them learns, by name, that they are not served
     # (context_management, moderation, prompt_cache_options change nothing here: not declared,
     # so common/lenient.py ignores them and logs each once).

@@ -89,3 +89,12 @@ def test_an_adapters_blocks_match_only_requests_of_that_adapter():
     policy.block_index = index
     replicas = [Replica(A), Replica(B)]
     assert policy.choose("x", replicas, prompt, "base").url == B
+
+
+def test_a_salted_requests_blocks_are_matched_by_no_request():
+    """Blocks with a lora_id and no adapter name are a client's cache_salt's: the replica
+    serves them only to requests of that salt, which the router cannot tell apart."""
+    index = BlockIndex()
+    prompt = [1, 2, 3, 4]
+    index.apply(A, [["BlockStored", [1], None, prompt, BS, 12345, "GPU", None]])
+    assert index.match(prompt, [A]) == {A: 0} and index.num_blocks(A) == 1
