@@ -65,7 +65,9 @@ class KVEventsConfig(msgspec.Struct, forbid_unknown_fields=True):
 
     enable_kv_cache_events: bool = False
     publisher: str | None = None  # "zmq" (the default once enabled) or "null"
-    endpoint: str = "tcp://*:5557"  # PUB: [topic, seq, payload] per batch
+    # PUB: [topic, seq, payload] per batch. Loopback unless told otherwise (vLLM binds every
+    # interface): the events carry every cached prompt's token ids.
+    endpoint: str = "tcp://127.0.0.1:5557"
     replay_endpoint: str | None = None  # ROUTER: batches from a sequence number on
     buffer_steps: Annotated[int, msgspec.Meta(ge=1)] = 10_000  # batches kept for replay
     hwm: Annotated[int, msgspec.Meta(ge=0)] = 100_000  # the PUB socket's send high-water mark
@@ -238,8 +240,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_events_config: Annotated[str | None, setting(
         "publish KV cache events for routers, in vLLM's format: JSON such as "
         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
-        "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": "
-        "\"kv-events\"}' (default off)")] = None
+        "\"tcp://127.0.0.1:5557\", \"replay_endpoint\": \"tcp://127.0.0.1:5558\", "
+        "\"topic\": \"kv-events\"}' (default off; the endpoint's default is loopback: the "
+        "events carry every cached prompt's token ids)")] = None
     # Set per replica by `serve --data-parallel-size N` (vLLM's rule): a replica's KV events
     # carry it, and its event ports are the configured ones plus it.
     data_parallel_rank: Annotated[int, setting(

@@ -30,6 +30,11 @@ from deepinfer.engine.model_config import ModelConfigError
 log = logging.getLogger("deepinfer.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
+# A replay request is `[b"", 8 bytes]`: anything larger is refused by ZeroMQ before it is
+# buffered (the peer is dropped), so no client can make the scheduler hold its message.
+MAX_REPLAY_REQUEST = 64
+# Replay requests answered per wake-up: a flood of them waits its turn behind new batches.
+REPLAYS_PER_WAKE = 4
 _bells = itertools.count()
 
 
@@ -93,6 +98,7 @@ class ZmqEventPublisher:
             pub.set_hwm(self.config.hwm)
             pub.bind(self.config.endpoint)
             if replay is not None:
+                replay.setsockopt(zmq.MAXMSGSIZE, MAX_REPLAY_REQUEST)
                 replay.bind(self.config.replay_endpoint)
         except zmq.ZMQError as e:
             self._error = e
@@ -138,7 +144,10 @@ class ZmqEventPublisher:
 
     @staticmethod
     def _serve_replay(replay: zmq.Socket, buffer: deque[tuple[int, bytes]]) -> None:
-        while replay.poll(0):
+        """Answer up to REPLAYS_PER_WAKE waiting requests (the poll wakes again for more)."""
+        for _ in range(REPLAYS_PER_WAKE):
+            if not replay.poll(0):
+                return
             frames = replay.recv_multipart()
             if len(frames) != 3 or len(frames[2]) != 8:
                 log.warning("ignoring a malformed KV events replay request (%d frames)",

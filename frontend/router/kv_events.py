@@ -3,8 +3,10 @@ tokenize requests the way the servers do, so the policy can look their blocks up
 
 Per replica, a SUB socket on its events endpoint and a DEALER on its replay endpoint (vLLM's
 protocol: engine/kvcache/event_publisher.py). At start, and whenever a sequence number is
-skipped, the missed batches are asked for again; a stream that starts over at 0 is a restarted
-replica (its first event, AllBlocksCleared, empties its part of the index).
+skipped, the missed batches are asked for again. A PUB stream never repeats a number, so one at
+or below the last seen is a restarted replica whose stream started over (its first batch,
+AllBlocksCleared, went out before anyone could subscribe): its part of the index is emptied
+and its new stream replayed from 0. A malformed message or batch is logged and skipped.
 """
 
 from __future__ import annotations
@@ -89,12 +91,19 @@ class EventFollower:
         try:
             last = await self._replay(source, 0, -1)  # what it published before we joined
             while True:
-                _, seq_bytes, payload = await sub.recv_multipart()
+                frames = await sub.recv_multipart()
+                if len(frames) != 3 or len(frames[1]) != 8:
+                    log.warning("ignoring a malformed KV events message from %s (%d frames)",
+                                source.replica, len(frames))
+                    continue
+                _, seq_bytes, payload = frames
                 seq = int.from_bytes(seq_bytes, "big")
-                if seq == 0 and last >= 0:
-                    last = -1  # the replica restarted: its stream starts over
-                if seq <= last:
-                    continue  # already had it from a replay
+                if seq <= last:  # the replica restarted: forget it, read its new stream
+                    log.info("KV events of %s started over: it restarted", source.replica)
+                    self.index.apply(source.replica, [["AllBlocksCleared"]])
+                    last = await self._replay(source, 0, -1)
+                    if seq <= last:
+                        continue
                 if seq > last + 1:
                     last = await self._replay(source, last + 1, last)
                     if seq <= last:
@@ -116,7 +125,7 @@ class EventFollower:
             await dealer.send_multipart((b"", first.to_bytes(8, "big")))
             while await dealer.poll(_REPLAY_TIMEOUT_MS):
                 frames = await dealer.recv_multipart()
-                if len(frames) != 3:
+                if len(frames) != 3 or len(frames[1]) != 8:
                     continue
                 seq = int.from_bytes(frames[1], "big", signed=True)
                 if seq == _END_SEQ:
@@ -132,12 +141,13 @@ class EventFollower:
 
     def _apply(self, source: EventSource, payload: bytes) -> None:
         try:
-            batch = msgspec.msgpack.decode(payload)
-            events = batch[1]
-        except (msgspec.DecodeError, IndexError, TypeError):
-            log.warning("undecodable KV event batch from %s", source.replica)
+            events = msgspec.msgpack.decode(payload)[1]
+            if not isinstance(events, list):
+                raise TypeError("no event list")
+            self.index.apply(source.replica, events)
+        except Exception as e:  # never the follower: the next batches still count
+            log.warning("undecodable KV event batch from %s (%s)", source.replica, e)
             return
-        self.index.apply(source.replica, events)
         self.batches += 1
 
 

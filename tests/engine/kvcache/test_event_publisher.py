@@ -94,3 +94,34 @@ def test_a_taken_port_is_a_clear_start_up_error():
         endpoint = f"tcp://127.0.0.1:{taken.getsockname()[1]}"
         with pytest.raises(EventPublisherError, match="--kv-events-config: cannot bind"):
             ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=endpoint))
+
+
+def test_an_oversized_replay_request_cuts_its_sender_off(tmp_path):
+    """A replay request is 8 bytes: a peer sending more is dropped by ZeroMQ before the message
+    is buffered (256 MiB sent to the socket had raised the scheduler's memory by 512 MiB)."""
+    from zmq.utils.monitor import recv_monitor_message
+
+    replay_addr = f"ipc://{tmp_path}/replay"
+    publisher = ZmqEventPublisher(KVEventsConfig(
+        enable_kv_cache_events=True, endpoint=f"ipc://{tmp_path}/ev",
+        replay_endpoint=replay_addr))
+    ctx = zmq.Context()
+    dealer = ctx.socket(zmq.DEALER)
+    monitor = dealer.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
+    try:
+        dealer.connect(replay_addr)
+        events = []
+        while zmq.EVENT_CONNECTED not in events:
+            assert monitor.poll(10_000), "never connected"
+            events.append(recv_monitor_message(monitor)["event"])
+        dealer.send_multipart([b"", b"x" * 4096])
+        while zmq.EVENT_DISCONNECTED not in events:
+            assert monitor.poll(10_000), "the oversized request was taken"
+            events.append(recv_monitor_message(monitor)["event"])
+        assert replay(ctx, replay_addr, 0) == []  # the publisher serves on
+    finally:
+        dealer.disable_monitor()
+        monitor.close(0)
+        dealer.close(0)
+        ctx.term()
+        publisher.close()

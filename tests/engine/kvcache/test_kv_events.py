@@ -131,6 +131,14 @@ def test_the_config_is_vllms_json_checked_up_front_and_offset_per_replica():
             EngineConfig(kv_events_config=bad)
 
 
+def test_the_events_endpoint_binds_loopback_unless_told_otherwise():
+    """The events carry every cached prompt's token ids: not on every interface by default."""
+    from deepinfer.engine.config import EngineConfig
+
+    events = EngineConfig(kv_events_config='{"enable_kv_cache_events": true}').kv_events()
+    assert events.endpoint == "tcp://127.0.0.1:5557"
+
+
 def test_the_event_stream_always_describes_the_caches_exactly():
     """A scheduler under eviction pressure with a host tier: replaying its events gives the
     device cache's and the host tier's blocks, no more, no less."""
