@@ -92,10 +92,10 @@ def serve(model_dir, root: Path, *args: str) -> ServerProcess:
                          "--served-model-name", "tiny", *args)
 
 
-def complete(server: ServerProcess, tokens: list[int]) -> dict:
+def complete(server: ServerProcess, tokens: list[int], **extra) -> dict:
     r = httpx.post(f"{server.base_url}/v1/completions", timeout=120, json={
         "model": "tiny", "prompt": tokens, "max_tokens": 4, "temperature": 0, "logprobs": 1,
-        "ignore_eos": True})
+        "ignore_eos": True, **extra})
     assert r.status_code == 200, r.text
     return r.json()
 
@@ -139,6 +139,33 @@ def test_a_live_server_reads_the_blocks_another_one_wrote(shared):
     assert metrics(b)['deepinfer_kv_tier_hit_tokens_total{tier="disk"}'] >= 128
     assert answer["choices"][0]["text"] == cold_answer["choices"][0]["text"]
     assert np.allclose(logprobs(answer), logprobs(cold_answer), atol=1e-4)
+
+
+def test_a_cache_salt_keeps_a_tenants_prefix_to_itself_on_every_server(shared, tiny_model_dir):
+    """cached_tokens tells a client what is cached: with a salt, only requests of the same
+    salt see a prompt's blocks, on the server that computed them and from the shared disk."""
+    from deepinfer.engine.config import EngineConfig
+
+    root, a, b = shared
+    tokens = prompt(70, seed=40)
+    block = EngineConfig(model=str(tiny_model_dir)).kv_bytes_per_block()
+
+    def written() -> float:
+        return metrics(a)['deepinfer_kv_tier_written_bytes_total{tier="disk"}']
+
+    def cached(server: ServerProcess, **salt) -> int:
+        return complete(server, tokens, **salt)["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    before = written()
+    assert cached(a, cache_salt="tenant-a") == 0
+    assert cached(a, cache_salt="tenant-b") == 0 and cached(a) == 0
+    assert cached(a, cache_salt="tenant-a") == 64
+    deadline = time.monotonic() + 60
+    while written() < before + 3 * 4 * block:  # the three prompts' blocks, on disk
+        assert time.monotonic() < deadline, "the blocks never reached disk"
+        time.sleep(0.05)
+    assert cached(b, cache_salt="tenant-c") == 0
+    assert cached(b, cache_salt="tenant-a") == 64  # read from the disk a wrote
 
 
 def test_a_damaged_file_is_counted_deleted_and_recomputed(shared):
