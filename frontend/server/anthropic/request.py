@@ -173,7 +173,8 @@ def _tools(tools: list[Tool]) -> list[dict[str, Any]]:
     for i, t in enumerate(tools):
         if t.type not in (None, "custom"):
             warn_once("/v1/messages", t.type,
-                      f"dropping server tool type {t.type!r} (this server runs no tools)")
+                      f"dropping server tool type {ascii(t.type[:80])} (this server runs no "
+                      "tools)")
             continue
         if t.input_schema is None:
             raise APIError("input_schema is required for a custom tool",

@@ -26,6 +26,7 @@ log = logging.getLogger("deepinfer.api")
 T = TypeVar("T")
 
 MAX_DROPS = 32
+MAX_LOGGED = 1000
 # msgspec's wording; a field of the top-level object has no " - at" part.
 _UNKNOWN = re.compile(
     r"^Object contains unknown field `(?P<field>[^`]+)`( - at `\$(?P<at>[^`]*)`)?$")
@@ -59,15 +60,27 @@ def _pattern(at: str, field: str) -> str:
     return (re.sub(r"\[\d+\]", "[]", at).lstrip(".") + "." + field).lstrip(".")
 
 
+def _shown(name: str) -> str:
+    """A client-chosen name as a log may show it: one short printable line."""
+    name = name if name.isprintable() else ascii(name)
+    return name if len(name) <= 80 else name[:80] + "..."
+
+
 def warn_once(endpoint: str, what: str, message: str) -> None:
-    """Log `message` the first time `endpoint` meets `what` (a field, a tool type)."""
-    if (endpoint, what) not in _logged:
-        _logged.add((endpoint, what))
-        log.warning("%s: %s (logged once)", endpoint, message)
+    """Log `message` the first time `endpoint` meets `what` (a field, a tool type). Names are
+    the client's to choose: past MAX_LOGGED of them, new ones are no longer remembered (nor
+    logged), so that invented names neither grow memory nor flood the log."""
+    if (endpoint, what) in _logged or len(_logged) > MAX_LOGGED:
+        return
+    _logged.add((endpoint, what))
+    if len(_logged) > MAX_LOGGED:
+        message = "further fields and tool types this server does not serve are not logged"
+    log.warning("%s: %s (logged once)", endpoint, message)
 
 
 def _note(endpoint: str, pattern: str) -> None:
-    warn_once(endpoint, pattern, f"ignoring the field {pattern}, which this server does not serve")
+    warn_once(endpoint, pattern,
+              f"ignoring the field {_shown(pattern)}, which this server does not serve")
 
 
 def _without_unknown(obj: Any, exc: msgspec.ValidationError, endpoint: str) -> bool:
@@ -81,16 +94,20 @@ def _without_unknown(obj: Any, exc: msgspec.ValidationError, endpoint: str) -> b
     return True
 
 
-def convert_lenient(obj: Any, type_: type[T], endpoint: str) -> T:
-    """`msgspec.convert(obj, type_)`, ignoring (and logging once) fields `type_` does not
-    declare; `obj` (decoded JSON) loses them. Other errors raise as msgspec raises them."""
-    for _ in range(MAX_DROPS):
+def _convert(obj: Any, type_: type[T], endpoint: str, drops: int) -> T:
+    while True:
         try:
             return msgspec.convert(obj, type_)
         except msgspec.ValidationError as exc:
-            if not _without_unknown(obj, exc, endpoint):
+            if drops == 0 or not _without_unknown(obj, exc, endpoint):
                 raise
-    return msgspec.convert(obj, type_)
+            drops -= 1
+
+
+def convert_lenient(obj: Any, type_: type[T], endpoint: str) -> T:
+    """`msgspec.convert(obj, type_)`, ignoring (and logging once) fields `type_` does not
+    declare; `obj` (decoded JSON) loses them. Other errors raise as msgspec raises them."""
+    return _convert(obj, type_, endpoint, MAX_DROPS)
 
 
 def decode_lenient(body: bytes, type_: type[T], endpoint: str) -> T:
@@ -101,4 +118,4 @@ def decode_lenient(body: bytes, type_: type[T], endpoint: str) -> T:
         obj = msgspec.json.decode(body)
         if not _without_unknown(obj, exc, endpoint):
             raise
-    return convert_lenient(obj, type_, endpoint)
+    return _convert(obj, type_, endpoint, MAX_DROPS - 1)

@@ -138,7 +138,7 @@ def _function_tools(tools: list[Any]) -> list[tuple[str, dict[str, Any]]]:
             out += [(f"tools[{i}].{at}", tool) for at, tool in _function_tools(raw["tools"])]
         elif isinstance(kind, str) and kind != "namespace":
             warn_once("/v1/responses", kind,
-                      f"dropping hosted tool type {kind!r} (this server runs no tools)")
+                      f"dropping hosted tool type {ascii(kind[:80])} (this server runs no tools)")
         else:
             raise APIError(f"tools[{i}] must be a tool object with a type", param=f"tools[{i}]")
     return out
