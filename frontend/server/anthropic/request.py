@@ -3,7 +3,8 @@
 The translation is shape only: system -> a system message; a user turn's tool_result blocks ->
 "tool" messages (in block order, text between them kept as user messages); an assistant turn's
 thinking -> `reasoning_content`, its tool_use blocks -> `tool_calls`; tools -> function tools;
-tool_choice any -> "required", tool -> the named function; thinking -> the template's switches;
+tool_choice any -> "required", tool -> the named function; thinking -> the template's switches,
+output_config.effort -> reasoning_effort (handed to the template), .format -> response_format;
 a system message inside `messages` -> a system message there; a search_result block -> text.
 Every check of the values (ranges, tool schemas, the model's name) is the chat path's, and its
 errors name OpenAI's fields: `renamed` turns those back into the names this client sent.
@@ -201,7 +202,10 @@ def chat_body(req: MessagesRequest | CountTokensRequest, context_len: int) -> di
     body: dict[str, Any] = {"model": req.model, "messages": _messages(req.system, req.messages)}
     if req.tools and (tools := _tools(req.tools)):
         body["tools"] = tools
-    fmt = req.output_config.format if req.output_config is not None else None
+    config = req.output_config
+    if config is not None and config.effort is not None:  # the template's, as on chat
+        body["reasoning_effort"] = config.effort
+    fmt = config.format if config is not None else None
     if fmt is not None:
         if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
             raise APIError('output_config.format must be {"type": "json_schema", "schema": {...}}',

@@ -5,9 +5,9 @@ Content blocks are a union tagged by `type`, so an unknown block type fails deco
 400 that names it. Image and document blocks decode (a client may well send them) and are
 refused by the translation with a message saying why. Fields that change nothing here are
 accepted and ignored: `cache_control` (the prefix cache works without hints), `citations` on a
-text block sent back, `metadata`, `service_tier`, `output_config.effort`; so is every field no
-struct here declares (`context_management`, `thinking.display`, tool fields such as
-`eager_input_streaming`: common/lenient.py logs each once). Server tools (a `type` other than
+text block sent back, `metadata`, `service_tier`; so is every field no struct here declares
+(`context_management`, `thinking.display`, tool fields such as `eager_input_streaming`:
+common/lenient.py logs each once). Server tools (a `type` other than
 "custom", run by Anthropic's servers) are dropped with a warning, as `mcp_servers` is ignored:
 the model is offered only the tools its client runs.
 """
@@ -112,7 +112,7 @@ class Thinking(msgspec.Struct, **_REQ):
 
 
 class OutputConfig(msgspec.Struct, **_REQ):
-    effort: str | None = None  # accepted: this model's effort is its template's thinking switch
+    effort: str | None = None  # handed to the template as reasoning_effort (as chat's is)
     format: dict[str, Any] | None = None  # {"type": "json_schema", "schema": ...}
 
 

@@ -194,6 +194,7 @@ def test_fields_claude_code_sends_are_accepted(caplog):
         ("system", "You are an agent."), ("user", ["Hi", "X\nhttps://x.org\n\nx says y"]),
         ("system", "Agents: none"), ("assistant", []), ("tool", "sunny")]
     assert [t["function"]["name"] for t in chat.tools] == ["get_weather"]
+    assert chat.reasoning_effort == "high"
     ignored = [r.getMessage() for r in caplog.records if "ignoring the field" in r.getMessage()]
     for name in ("context_management", "tools[].eager_input_streaming", "thinking.display",
                  "messages[].content[].caller", "inference_geo", "mcp_servers"):
