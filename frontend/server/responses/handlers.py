@@ -22,6 +22,7 @@ from deepinfer.frontend.server.responses.input import (
     chat_request,
     parse_items,
     responses_error,
+    tool_namespaces,
     wants_logprobs,
 )
 from deepinfer.frontend.server.responses.objects import ResponseDeleted, ResponseObject
@@ -79,13 +80,14 @@ async def _create(state: ServerState, request: Request) -> Response | SSERespons
             state.responses.put(StoredResponse(response, items + output))
 
     if req.stream:
-        return SSEResponse(response_events(run, base, keep, wants_logprobs(req)))
+        return SSEResponse(response_events(run, base, keep, wants_logprobs(req),
+                                           tool_namespaces(req.tools)))
     turns = await run.results(request)
     if turns is None:
         return Response(status_code=499)
     turn = turns[0]
-    body = finished(base, output_items(turn, run.reasoning_on, wants_logprobs(req)),
-                    turn.finish_reason,
+    output = output_items(turn, run.reasoning_on, wants_logprobs(req), tool_namespaces(req.tools))
+    body = finished(base, output, turn.finish_reason,
                     run.usage(), int(time.time()))
     keep(body)
     return _json(body)

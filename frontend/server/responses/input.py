@@ -157,6 +157,21 @@ def _tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     return out
 
 
+def tool_namespaces(tools: list[dict[str, Any]] | None) -> dict[str, str]:
+    """Function name -> the namespace tool it came from: a call to it names the namespace, as
+    the client routes it by both (Codex's multi-agent tools). A top-level name wins."""
+    out: dict[str, str] = {}
+    for raw in tools or []:
+        if raw.get("type") == "namespace" and isinstance(raw.get("name"), str):
+            for tool in raw.get("tools") or []:
+                if isinstance(tool, dict) and isinstance(tool.get("name"), str):
+                    out.setdefault(tool["name"], raw["name"])
+    for raw in tools or []:
+        if raw.get("type") == "function":
+            out.pop(raw.get("name"), None)
+    return out
+
+
 def echo_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]]:
     """The request's (checked) tools as the response repeats them."""
     return [{"type": "function", **t["function"]} for t in _tools(tools) or []]

@@ -43,6 +43,8 @@ class OutputFunctionCall(msgspec.Struct, tag="function_call", **_ITEM):
     name: str
     arguments: str
     status: str = "completed"
+    # The namespace tool `name` came from (input.tool_namespaces); left out otherwise.
+    namespace: str | msgspec.UnsetType = msgspec.UNSET
 
 
 OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall

@@ -48,7 +48,14 @@ def text_logprobs(positions: list[PositionLogprobs]) -> list[dict[str, Any]]:
              "top_logprobs": [entry(t.token, t.logprob) for t in p.top]} for p in positions]
 
 
-def output_items(turn: Turn, reasoning_on: bool, logprobs: bool = False) -> list[OutputItem]:
+def function_call(call_id: str, name: str, arguments: str, namespaces: dict[str, str],
+                  status: str = "completed") -> OutputFunctionCall:
+    return OutputFunctionCall(id=new_id("fc"), call_id=call_id, name=name, arguments=arguments,
+                              status=status, namespace=namespaces.get(name, msgspec.UNSET))
+
+
+def output_items(turn: Turn, reasoning_on: bool, logprobs: bool = False,
+                 namespaces: dict[str, str] | None = None) -> list[OutputItem]:
     """Reasoning (with a parser), then a message per run of text and the calls, in the order
     written (an empty message when there is neither); the last is "incomplete" when
     max_output_tokens cut it, as when streamed. With `logprobs`, the first message's text
@@ -58,8 +65,7 @@ def output_items(turn: Turn, reasoning_on: bool, logprobs: bool = False) -> list
         out.append(OutputReasoning(id=new_id("rs"), content=[ReasoningPart(text=turn.reasoning)]))
     out.extend(OutputMessage(id=new_id("msg"), status="completed", content=[OutputText(text=p)])
                if isinstance(p, str) else
-               OutputFunctionCall(id=new_id("fc"), call_id=p.id, name=p.name,
-                                  arguments=p.arguments)
+               function_call(p.id, p.name, p.arguments, namespaces or {})
                for p in turn.parts or [""])
     first = next((item for item in out if isinstance(item, OutputMessage)), None)
     if logprobs and first is not None:

@@ -38,6 +38,7 @@ from deepinfer.frontend.server.responses.objects import (
 )
 from deepinfer.frontend.server.responses.output import (
     finished,
+    function_call,
     item_status,
     new_id,
     text_logprobs,
@@ -50,8 +51,10 @@ _END_EVENTS = {"completed": "response.completed", "failed": "response.failed"}
 class _Events:
     """The events so far; `output` holds the closed items, `item` the open one."""
 
-    def __init__(self, base: ResponseObject, logprobs: bool = False) -> None:
+    def __init__(self, base: ResponseObject, logprobs: bool = False,
+                 namespaces: dict[str, str] | None = None) -> None:
         self.base = base
+        self.namespaces = namespaces or {}  # input.tool_namespaces
         self.seq = 0
         self.output: list[OutputItem] = []
         self.item: OutputItem | None = None
@@ -146,9 +149,8 @@ class _Events:
         out: list[bytes] = []
         if call.id is not None:  # a new call
             out += self.close()
-            out += self._open(OutputFunctionCall(id=new_id("fc"), call_id=call.id,
-                                                 name=call.name or "", arguments="",
-                                                 status="in_progress"), None)
+            out += self._open(function_call(call.id, call.name or "", "", self.namespaces,
+                                            "in_progress"), None)
         item, at = self.item, len(self.output)
         if call.arguments and isinstance(item, OutputFunctionCall):
             self.text.append(call.arguments)
@@ -186,10 +188,11 @@ class _Events:
 
 
 async def response_events(run: ChatRun, base: ResponseObject,
-                          done: Callable[[ResponseObject], None], logprobs: bool = False
+                          done: Callable[[ResponseObject], None], logprobs: bool = False,
+                          namespaces: dict[str, str] | None = None
                           ) -> AsyncGenerator[bytes, None]:
     """The SSE events of `run`; `done` gets the finished response (to store it)."""
-    events = _Events(base, logprobs)
+    events = _Events(base, logprobs, namespaces)
     finish_reason = None
     try:
         yield events.response("response.created", base)

@@ -21,6 +21,7 @@ from deepinfer.frontend.server.responses.input import (
     chat_request,
     parse_items,
     responses_error,
+    tool_namespaces,
 )
 from deepinfer.frontend.server.responses.output import base_response, finished, output_items
 from deepinfer.frontend.server.responses.schema import ResponsesRequest, decode_responses
@@ -328,3 +329,26 @@ def test_delete_and_a_store_of_size_zero():
     off = ResponseStore(0)
     off.put(stored("a"))
     assert not off.enabled and len(off) == 0
+
+
+def test_a_call_to_a_namespace_tool_names_its_namespace():
+    """Codex routes a call by name and namespace: a call to a function of a namespace tool says
+    which, whole and streamed; a top-level function's call has no namespace field."""
+    tools = [TOOLS[0], {"type": "namespace", "name": "agents", "description": "sub-agents",
+                        "tools": [{"type": "function", "name": "close_agent",
+                                   "parameters": {"type": "object"}}]}]
+    namespaces = tool_namespaces(tools)
+    assert namespaces == {"close_agent": "agents"}
+    calls = [ToolCall("c1", "close_agent", "{}"), ToolCall("c2", "get_weather", "{}")]
+    items = msgspec.to_builtins(output_items(turn(calls=calls, finish_reason="tool_calls"),
+                                             False, namespaces=namespaces))
+    assert [(i["name"], i.get("namespace")) for i in items] == [
+        ("close_agent", "agents"), ("get_weather", None)]
+    assert "namespace" not in items[1]
+    events = _Events(base_response(request(input="hi", tools=tools), "r", 1, "m", stored=False),
+                     namespaces=namespaces)
+    frames = events.delta(TurnDelta(0, calls=[ToolCallDelta(0, "c1", "close_agent", "{}")]))
+    frames += events.finish("tool_calls", USAGE)[0]
+    added = json.loads(frames[0].decode().split("data: ")[1])
+    assert added["item"]["namespace"] == "agents"
+    assert parse_items(items)[0].namespace == "agents"  # sent back, it decodes
