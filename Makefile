@@ -77,4 +77,4 @@ bench-spec: model
 	$(PY) scripts/bench_spec_decode.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info .clients
