@@ -95,11 +95,11 @@ class ServerState:
 
     def check_model(self, name: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model); 404 for a model
-        this server does not serve."""
+        this server does not serve. An adapter's own name wins over an alias pattern."""
+        if name is not None and name in self.lora_adapters and name not in self.model_aliases:
+            return name
         if name is None or name == self.model_name or self.is_alias(name):
             return None
-        if name in self.lora_adapters:
-            return name
         served = ", ".join(repr(n) for n in (self.model_name, *self.lora_adapters))
         raise APIError(
             f"the model {name!r} does not exist; this server serves {served}",

@@ -40,6 +40,8 @@ def test_several_served_model_names_and_a_pattern():
     for name in ("claude", "gpt-4", "xclaude-1"):
         with pytest.raises(APIError):
             state.check_model(name)
+    state.lora_adapters["claude-lora"] = "/adapter"  # its own name beats the pattern
+    assert state.check_model("claude-lora") == "claude-lora"
 
 
 def test_a_kv_cache_dtype_typo_is_refused_before_anything_starts(capsys):
