@@ -359,7 +359,8 @@ def test_a_request_aborted_before_admission_frees_the_prefill_servers_hold(llama
 
 def test_a_request_a_decode_server_would_refuse_is_refused_before_any_kv_is_held(llama):
     """The prefill server sees every field the client sent (it had seen max_tokens as 1 and no
-    stream_options): what a decode server would refuse, it refuses before keeping any KV,
+    stream_options): what a decode server would refuse (a value of the wrong type: unknown
+    fields are ignored), it refuses before keeping any KV,
     which a client could otherwise pin for the hold timeout with each bad request."""
     prefill, prompt = llama.url("prefill"), prompt_text(51, 40)
     chat = [{"role": "user", "content": prompt}]
@@ -370,7 +371,7 @@ def test_a_request_a_decode_server_would_refuse_is_refused_before_any_kv_is_held
         ("/v1/chat/completions", {"messages": chat, "max_completion_tokens": 10**6},
          "max_completion_tokens"),
         ("/v1/chat/completions", {"messages": chat, "max_tokens": 8, "stream": True,
-                                  "stream_options": {"usage": True}}, "stream_options"),
+                                  "stream_options": {"include_usage": [True]}}, "stream_options"),
     ]
     for path, body, param in cases:
         r = httpx.post(f"{llama.pd.base_url}{path}", json={"model": "tiny", **body}, timeout=60)
