@@ -108,6 +108,8 @@ class Tokenizer:
         final = messages[-1] if messages else {}
         if final.get("role") != "assistant":
             raise ChatTemplateError("only an assistant message can be continued")
+        if final.get("tool_calls"):
+            raise ChatTemplateError("an assistant message with tool calls cannot be continued")
         if not final["content"]:  # an empty answer begun: a new turn is the same thing
             return self.apply_chat_template(messages[:-1], True, tools, template_kwargs)
         marked = [*messages[:-1], {**final, "content": final["content"] + _CONTINUE_MARK}]

@@ -181,6 +181,24 @@ def test_empty_content_is_refused_but_in_a_final_assistant_turn(client):
     assert r.stop_reason is not None
 
 
+def test_a_final_assistant_message_is_continued(client):
+    """Anthropic's prefill: the answer goes on from the assistant's text (the script's next
+    token after "is" is " five"); it used to be followed by a new turn, which wrote the whole
+    script again. Trailing whitespace there is a 400, as Anthropic answers."""
+    begun = [*ASK, {"role": "assistant", "content": "The answer is"}]
+    r = client.messages.create(model="s", max_tokens=8, messages=begun, **GREEDY)
+    assert [b.text for b in r.content] == [" five"] and r.stop_reason == "end_turn"
+    streamed = client.messages.create(model="s", max_tokens=8, messages=begun, stream=True,
+                                      **GREEDY)
+    assert "".join(e.delta.text for e in streamed if e.type == "content_block_delta") == " five"
+    counted = client.messages.count_tokens(model="s", messages=begun).input_tokens
+    assert counted == r.usage.input_tokens + r.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError) as err:
+        client.messages.create(model="s", max_tokens=8, messages=[
+            *ASK, {"role": "assistant", "content": "The answer is "}])
+    assert "trailing whitespace" in err.value.body["error"]["message"]
+
+
 def test_message_start_splits_the_input_as_message_delta(client):
     """Asked twice, the prompt is cached the second time: message_start's usage says so as
     message_delta's does (it said nothing was cached: it was sent before the engine knew)."""

@@ -219,6 +219,13 @@ def chat_body(req: MessagesRequest | CountTokensRequest, context_len: int) -> di
     if req.thinking is not None and req.thinking.type != "adaptive":  # adaptive: the default
         on = req.thinking.type == "enabled"
         body["chat_template_kwargs"] = {"thinking": on, "enable_thinking": on}
+    final = body["messages"][-1] if body["messages"] else {}
+    if final.get("role") == "assistant" and final.get("content") and not final.get("tool_calls"):
+        # A prefill: the answer goes on from the assistant's text, as Anthropic's does.
+        if final["content"] != final["content"].rstrip():
+            raise APIError("final assistant content cannot end with trailing whitespace",
+                           param="messages")
+        body["continue_final_message"] = True
     if not isinstance(req, MessagesRequest):
         body["max_tokens"] = 1
         return body

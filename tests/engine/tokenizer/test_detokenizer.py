@@ -171,3 +171,7 @@ def test_an_empty_or_misplaced_prefill(tok):
                                    continue_final_message=True) == tok.apply_chat_template(msgs)
     with pytest.raises(ChatTemplateError, match="only an assistant message"):
         tok.apply_chat_template(msgs, continue_final_message=True)
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    with pytest.raises(ChatTemplateError, match="tool calls"):
+        tok.apply_chat_template([*msgs, {"role": "assistant", "content": "", "tool_calls": [call]}],
+                                continue_final_message=True)
