@@ -222,6 +222,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "/v1/responses: finished responses kept (store: true) for GET and "
         "previous_response_id, least recently used first out (default 1000; 0: none)",
         at_least=0)] = 1000
+    responses_store_mb: Annotated[float, setting(
+        "/v1/responses: the stored responses' size bound in MiB, each counted with its whole "
+        "conversation (default 256)", positive=True)] = 256.0
     # Either mode still serves ordinary requests (engine/kvcache/connectors/transfer.py).
     disaggregation_mode: Annotated[str, setting(
         "prefill/decode disaggregation: prefill (computes prompts and serves their KV to decode "

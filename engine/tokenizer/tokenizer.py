@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from datetime import datetime
 from pathlib import Path
@@ -54,6 +55,12 @@ class Tokenizer:
         self.chat_template: str | None = read_chat_template(model_dir)
         self._compiled = None
         self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def max_token_chars(self) -> int:
+        """The longest text one token stands for (at most its vocabulary string's length): a
+        text of n characters is at least n / this many tokens."""
+        return max(map(len, self.hf.get_vocab(with_added_tokens=True)), default=1)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids

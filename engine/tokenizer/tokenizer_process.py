@@ -70,9 +70,11 @@ class TokenizerService:
             if req.messages is not None:
                 if not req.messages:
                     raise ValueError("messages must not be empty")
-                prompt_text, ids = self.tokenizer.encode_chat(
+                prompt_text = self._within_reach(self.tokenizer.apply_chat_template(
                     [chat_dict(m) for m in req.messages], req.add_generation_prompt, req.tools,
-                    req.template_kwargs, req.continue_final_message)
+                    req.template_kwargs, req.continue_final_message))
+                # The template already holds every special token it wants.
+                ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
             elif req.prompt_token_ids is not None:
                 ids = unpack_ids(req.prompt_token_ids).tolist()
                 bad = [i for i in ids if not 0 <= i < self.vocab_limit]
@@ -80,7 +82,7 @@ class TokenizerService:
                     raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
                 prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
             elif req.prompt is not None:
-                prompt_text = req.prompt
+                prompt_text = self._within_reach(req.prompt)
                 ids = self.tokenizer.encode(req.prompt)
             else:
                 raise ValueError("a prompt, prompt token ids or messages are required")
@@ -114,6 +116,18 @@ class TokenizerService:
             self.held[req.request_id] = first
             return tokenized, None
         return tokenized, first
+
+    def _within_reach(self, text: str) -> str:
+        """`text`, unless it is too long for the context whatever its tokens: then it is
+        refused untokenized, since every stream's detokenization waits behind a tokenization
+        (a 7 MiB prompt held them all for 34 s). Half the bound of n / max_token_chars
+        tokens, for normalizers that compose characters."""
+        floor = len(text) // (2 * self.tokenizer.max_token_chars)
+        if floor >= self.context_len:
+            raise ValueError(
+                f"the prompt has at least {floor} tokens; this server's context length is "
+                f"{self.context_len} tokens (it was not tokenized)")
+        return text
 
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:

@@ -119,6 +119,7 @@ def serve(
                         max_buffered_outputs=max_buffered_outputs,
                         reasoning_parser=reasoning_parser,
                         responses_store_size=config.responses_store_size,
+                        responses_store_mb=config.responses_store_mb,
                         lora_adapters=config.lora_adapters(), ui=ui,
                         allow_lora_updates=config.allow_runtime_lora_updating,
                         tool_call_parser=tool_call_parser or format_for_template(

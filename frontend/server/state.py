@@ -42,6 +42,7 @@ class ServerState:
                  grammar_max_bytes: int = 65536, api_key: str | None = None,
                  max_buffered_outputs: int = 4096, reasoning_parser: str | None = None,
                  tool_call_parser: str = "hermes", responses_store_size: int = 1000,
+                 responses_store_mb: float = 256.0,
                  lora_adapters: dict[str, str] | None = None, ui: bool = True,
                  allow_lora_updates: bool = False) -> None:
         self.client: EngineClient | None = None
@@ -61,7 +62,7 @@ class ServerState:
         self.reasoning_parser = reasoning_parser  # --reasoning-parser (parsers/reasoning/)
         self.tool_call_format = TOOL_CALL_PARSERS[tool_call_parser]  # (parsers/tool_calls/)
         # Finished /v1/responses kept for GET and previous_response_id (responses/store.py).
-        self.responses = ResponseStore(responses_store_size)
+        self.responses = ResponseStore(responses_store_size, int(responses_store_mb * (1 << 20)))
         self.created = int(time.time())
         self.failure: str | None = None
 

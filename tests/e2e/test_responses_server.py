@@ -215,3 +215,29 @@ def test_top_logprobs_are_served_as_chat_serves_them(caller):
         [p.token for p in text.logprobs]
     plain = create(caller, input="Hi")
     assert plain.output[0].content[0].logprobs == []
+
+
+def test_truncation_auto_drops_the_oldest_items(thinker):
+    """A chain that outgrows the 1,024-token context: with truncation "auto" every step is
+    answered from the newest items that fit (it was accepted and ignored: a 400 once the chain
+    no longer fit); without it, the same chain is refused."""
+    long, previous = "word " * 300, None
+    for _ in range(5):
+        r = create(thinker, input=long, truncation="auto", previous_response_id=previous)
+        assert r.status == "completed" and r.output_text == ANSWER
+        assert r.usage.input_tokens + r.usage.output_tokens <= 1024
+        previous = r.id
+    with pytest.raises(openai.BadRequestError):
+        create(thinker, input=long, previous_response_id=previous)
+
+
+def test_metadata_and_a_schema_without_a_name_are_refused_as_openai_does(thinker):
+    for metadata in ({f"k{i}": "v" for i in range(17)}, {"k": "v" * 513}, {"k" * 65: "v"}):
+        with pytest.raises(openai.BadRequestError) as err:
+            create(thinker, input=ASK, metadata=metadata)
+        assert err.value.body["param"] == "metadata"
+    assert create(thinker, input=ASK, metadata={"k": "v" * 512}).metadata == {"k": "v" * 512}
+    unnamed = {"format": {"type": "json_schema", "schema": {"type": "object"}}}
+    with pytest.raises(openai.BadRequestError) as err:
+        create(thinker, input=ASK, text=unnamed)
+    assert err.value.body["param"] == "text.format.name"

@@ -35,7 +35,7 @@ from deepinfer.frontend.server.state import ServerState
 _encode = msgspec.json.Encoder().encode
 
 # The tokenizer's words for a prompt past the context (engine/tokenizer/tokenizer_process.py).
-_TOO_LONG = re.compile(r"the prompt has (\d+) tokens; .*? is (\d+) tokens")
+_TOO_LONG = re.compile(r"the prompt has (?:at least )?(\d+) tokens; .*? is (\d+) tokens")
 
 # HTTP status -> Anthropic's error type (its API answers overload with 529; we keep 503).
 _ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error",

@@ -35,6 +35,7 @@ from deepinfer.frontend.server.responses.output import (
 from deepinfer.frontend.server.responses.schema import decode_responses
 from deepinfer.frontend.server.responses.store import StoredResponse
 from deepinfer.frontend.server.responses.stream import response_events
+from deepinfer.frontend.server.responses.truncation import fit_context
 from deepinfer.frontend.server.state import ServerState
 
 _encode = msgspec.json.Encoder().encode
@@ -68,6 +69,8 @@ async def _create(state: ServerState, request: Request) -> Response | SSERespons
     earlier = (_stored(state, req.previous_response_id, "previous_response_id").items
                if req.previous_response_id is not None else [])
     items = earlier + parse_items(req.input)
+    if req.truncation == "auto":
+        items = await fit_context(state, request, req, items)
     chat = decode_chat_dict(chat_request(req, items))
     store = req.store is not False and state.responses.enabled
     base = base_response(req, new_id("resp"), int(time.time()), state.response_model(chat.model),

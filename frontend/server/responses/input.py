@@ -198,7 +198,9 @@ def _response_format(req: ResponsesRequest) -> dict[str, Any] | None:
     if fmt.schema is None:
         raise APIError("text.format.schema is required with json_schema",
                        param="text.format.schema")
-    spec = {"name": fmt.name or "response", "schema": fmt.schema, "strict": fmt.strict,
+    if not fmt.name:  # OpenAI's rule; echoed without one, the SDK's own check fails
+        raise APIError("text.format.name is required with json_schema", param="text.format.name")
+    spec = {"name": fmt.name, "schema": fmt.schema, "strict": fmt.strict,
             "description": fmt.description}
     return {"type": "json_schema",
             "json_schema": {k: v for k, v in spec.items() if v is not None}}
@@ -213,6 +215,26 @@ def _refuse_unserved(req: ResponsesRequest) -> None:
             raise APIError(f"{name} is not supported by this server", param=name)
     if req.truncation is not None and req.truncation not in _TRUNCATIONS:
         raise APIError("truncation must be 'auto' or 'disabled'", param="truncation")
+    _check_metadata(req.metadata)
+
+
+# OpenAI's bounds on metadata: it is stored and echoed, so a client must not grow it at will.
+METADATA_PAIRS, METADATA_KEY_CHARS, METADATA_VALUE_CHARS = 16, 64, 512
+
+
+def _check_metadata(metadata: dict[str, str] | None) -> None:
+    if metadata is None:
+        return
+    if len(metadata) > METADATA_PAIRS:
+        raise APIError(f"metadata has {len(metadata)} pairs, more than {METADATA_PAIRS}",
+                       param="metadata")
+    for key, value in metadata.items():
+        if len(key) > METADATA_KEY_CHARS:
+            raise APIError(f"metadata keys are at most {METADATA_KEY_CHARS} characters",
+                           param="metadata")
+        if len(value) > METADATA_VALUE_CHARS:
+            raise APIError(f"metadata[{key!r}] is longer than {METADATA_VALUE_CHARS} characters",
+                           param="metadata")
 
 
 def wants_logprobs(req: ResponsesRequest) -> bool:

@@ -6,7 +6,7 @@ from collections.abc import Mapping
 
 import pytest
 
-from deepinfer.engine.protocol import ChatMessage
+from deepinfer.engine.protocol import ChatMessage, GenerateRequest, SamplingParams
 from deepinfer.engine.tokenizer.detokenizer import IncrementalDetokenizer
 from deepinfer.engine.tokenizer.tokenizer import ChatTemplateError, Tokenizer, chat_dict
 
@@ -175,3 +175,32 @@ def test_an_empty_or_misplaced_prefill(tok):
     with pytest.raises(ChatTemplateError, match="tool calls"):
         tok.apply_chat_template([*msgs, {"role": "assistant", "content": "", "tool_calls": [call]}],
                                 continue_final_message=True)
+
+
+@pytest.mark.parametrize("as_chat", [False, True])
+def test_a_prompt_too_long_for_any_tokenization_is_refused_untokenized(tok, monkeypatch,
+                                                                       as_chat):
+    """Tokenizing a 7 MiB prompt held the tokenizer process (and every stream's
+    detokenization behind it) for 34 s only to refuse it: a text longer than the context could
+    hold in the longest tokens is refused at once, in the words of a context overflow."""
+    from deepinfer.engine.tokenizer.tokenizer_process import TokenizerService
+
+    encoded: list[int] = []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text, *a, **k: encoded.append(len(text))
+                        or encode(text, *a, **k))
+    service = TokenizerService(tok, 1024)
+    text = "word " * (2 * tok.max_token_chars * 1024 // 5 + 1)
+
+    def ask(prompt: str, count_only: bool = False):
+        if as_chat:
+            return GenerateRequest("r", SamplingParams(), messages=[ChatMessage("user", prompt)],
+                                   count_only=count_only)
+        return GenerateRequest("r", SamplingParams(), prompt=prompt, count_only=count_only)
+
+    for count_only in (False, True):
+        tokenized, first = service.tokenize(ask(text, count_only))
+        assert tokenized is None and "the prompt has at least" in first.error
+        assert "context length" in first.error and encoded == []
+    _, first = service.tokenize(ask("word " * 100))  # within reach: tokenized as ever
+    assert first.error is None and len(encoded) == 1

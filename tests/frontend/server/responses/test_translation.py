@@ -331,6 +331,22 @@ def test_delete_and_a_store_of_size_zero():
     assert not off.enabled and len(off) == 0
 
 
+def test_the_store_is_bounded_by_bytes_each_entry_with_its_conversation():
+    """--responses-store-mb: a chain of responses is bounded by what its conversations hold, not
+    by their number (one entry keeps its whole chain); one conversation past the bound is not
+    kept at all."""
+    size = stored("a").nbytes()
+    store = ResponseStore(100, max_bytes=2 * size)
+    for rid in ("a", "b", "c"):
+        store.put(stored(rid))
+    assert [store.get(rid) is not None for rid in "abc"] == [False, True, True]
+    assert store.nbytes == 2 * size
+    big = StoredResponse(stored("d").response, parse_items("hi " * size))
+    store.put(big)
+    assert store.get("d") is None and len(store) == 2
+    assert store.delete("b") and store.nbytes == size
+
+
 def test_a_call_to_a_namespace_tool_names_its_namespace():
     """Codex routes a call by name and namespace: a call to a function of a namespace tool says
     which, whole and streamed; a top-level function's call has no namespace field."""
