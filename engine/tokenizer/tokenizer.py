@@ -65,6 +65,11 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.hf.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_releasing_gil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """`encode`, letting other threads run meanwhile (tokenizers' batch call releases the
+        GIL, its single one does not)."""
+        return self.hf.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids, skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

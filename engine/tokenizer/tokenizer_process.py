@@ -2,12 +2,19 @@
 
 It keeps the API process thin (no tokenization there) and the scheduler free of strings. Stop
 strings are matched here; a match finishes the request and aborts it in the scheduler.
+
+A long prompt's text is tokenized on a thread of its own, with the GIL released, while the loop
+goes on turning every stream's tokens into text (it used to wait: one 7 MiB prompt held every
+stream for 34 s); short ones, the most, are tokenized in place (a thread's hand-off would cost
+them more than it saves).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import msgspec
 import zmq
@@ -47,6 +54,21 @@ class _Live(msgspec.Struct):
     prompt_ids: list[int] | None = None
 
 
+# The scheduler's request (None: not for it) and the first client output (None: held).
+Admission = tuple[TokenizedRequest | None, RequestOutput | None]
+# Longer prompt texts are tokenized off the loop (~1 us a character: this is ~16 ms).
+INLINE_PROMPT_CHARS = 16_384
+PENDING_POLL_MS = 2  # how often the loop looks for a finished long tokenization
+
+
+@dataclass(frozen=True)
+class PromptText:
+    """A prompt rendered and checked, its text not tokenized yet."""
+
+    text: str
+    add_special_tokens: bool
+
+
 class TokenizerService:
     """Pure logic of the actor (no sockets), so tests can drive it directly."""
 
@@ -61,48 +83,66 @@ class TokenizerService:
         # compiled: a refused grammar must reach the client as the first output (a 400).
         self.held: dict[str, RequestOutput] = {}
 
-    def tokenize(self, req: GenerateRequest
-                 ) -> tuple[TokenizedRequest | None, RequestOutput | None]:
+    def tokenize(self, req: GenerateRequest) -> Admission:
         """Returns the scheduler's request (None when rejected) and the first client output
         (None: held until the request's grammar is ready)."""
+        started = self.start(req)
+        if isinstance(started, PromptText):
+            try:
+                ids = self.tokenizer.encode(started.text, started.add_special_tokens)
+            except Exception as exc:  # noqa: BLE001 - bad text must not kill the process
+                return self.refuse(req, exc)
+            return self.admit(req, started.text, ids)
+        return started
+
+    def start(self, req: GenerateRequest) -> Admission | PromptText:
+        """Everything before tokenizing the prompt's text (rendering, checks); short texts are
+        tokenized at once. A PromptText is left for `admit` once its ids are known."""
         try:
-            prompt_text = None
             if req.messages is not None:
                 if not req.messages:
                     raise ValueError("messages must not be empty")
-                prompt_text = self._within_reach(self.tokenizer.apply_chat_template(
+                text = self._within_reach(self.tokenizer.apply_chat_template(
                     [chat_dict(m) for m in req.messages], req.add_generation_prompt, req.tools,
                     req.template_kwargs, req.continue_final_message))
                 # The template already holds every special token it wants.
-                ids = self.tokenizer.encode(prompt_text, add_special_tokens=False)
-            elif req.prompt_token_ids is not None:
+                return self._text(req, PromptText(text, add_special_tokens=False))
+            if req.prompt_token_ids is not None:
                 ids = unpack_ids(req.prompt_token_ids).tolist()
                 bad = [i for i in ids if not 0 <= i < self.vocab_limit]
                 if bad:
                     raise ValueError(f"prompt token id {bad[0]} is outside the vocabulary")
-                prompt_text = self.tokenizer.decode(ids, skip_special_tokens=False)
-            elif req.prompt is not None:
-                prompt_text = self._within_reach(req.prompt)
-                ids = self.tokenizer.encode(req.prompt)
-            else:
-                raise ValueError("a prompt, prompt token ids or messages are required")
-            if not ids:
-                raise ValueError("the prompt is empty")
-            if req.count_only:
-                return None, RequestOutput(req.request_id, finish_reason=FinishReason.STOP,
-                                           prompt_tokens=len(ids))
-            if len(ids) >= self.context_len:
-                raise ValueError(
-                    f"the prompt has {len(ids)} tokens; this server's context length (the "
-                    f"model's, capped by its KV cache) is {self.context_len} tokens, which must "
-                    "also leave room for the output"
-                )
-        except Exception as exc:  # bad input (template, ids, text) must not kill the process
-            if not isinstance(exc, (ValueError, ChatTemplateError)):
-                exc = ValueError(f"could not tokenize the request: {type(exc).__name__}: {exc}")
-            return None, RequestOutput(
-                req.request_id, finish_reason=FinishReason.ERROR, error=str(exc)
-            )
+                return self.admit(req, self.tokenizer.decode(ids, skip_special_tokens=False), ids)
+            if req.prompt is not None:
+                return self._text(req, PromptText(self._within_reach(req.prompt), True))
+            raise ValueError("a prompt, prompt token ids or messages are required")
+        except Exception as exc:  # noqa: BLE001 - bad input (template, ids, text) must not
+            return self.refuse(req, exc)  # kill the process
+
+    def _text(self, req: GenerateRequest, prompt: PromptText) -> Admission | PromptText:
+        if len(prompt.text) > INLINE_PROMPT_CHARS:
+            return prompt
+        return self.admit(req, prompt.text,
+                          self.tokenizer.encode(prompt.text, prompt.add_special_tokens))
+
+    def refuse(self, req: GenerateRequest, exc: Exception) -> Admission:
+        if not isinstance(exc, (ValueError, ChatTemplateError)):
+            exc = ValueError(f"could not tokenize the request: {type(exc).__name__}: {exc}")
+        return None, RequestOutput(req.request_id, finish_reason=FinishReason.ERROR,
+                                   error=str(exc))
+
+    def admit(self, req: GenerateRequest, prompt_text: str | None, ids: list[int]) -> Admission:
+        """The request with its prompt's ids: refused, counted (count_only) or live."""
+        if not ids:
+            return self.refuse(req, ValueError("the prompt is empty"))
+        if req.count_only:
+            return None, RequestOutput(req.request_id, finish_reason=FinishReason.STOP,
+                                       prompt_tokens=len(ids))
+        if len(ids) >= self.context_len:
+            return self.refuse(req, ValueError(
+                f"the prompt has {len(ids)} tokens; this server's context length (the "
+                f"model's, capped by its KV cache) is {self.context_len} tokens, which must "
+                "also leave room for the output"))
         p = req.params
         self.live[req.request_id] = _Live(
             IncrementalDetokenizer(self.tokenizer, p.stop, p.skip_special_tokens, ids),
@@ -205,51 +245,96 @@ class TokenizerService:
         return out, stop_hit
 
 
-def main(ctx: ChildContext) -> None:
-    cfg = ctx.config
-    service = TokenizerService(Tokenizer(cfg.resolved_model_dir()), cfg.context_len(),
-                               cfg.model_config().vocab_size)
-    inbound = pull(ctx.zmq, ctx.endpoints.tokenizer_in)
-    to_client = push(ctx.zmq, ctx.endpoints.client_in)
-    to_scheduler = push(ctx.zmq, ctx.endpoints.scheduler_in)
-    decode = msgspec.msgpack.Decoder(TokenizerInbound).decode
-    encode = msgspec.msgpack.Encoder().encode
-    detokenize_seconds = 0.0
-    ctx.ready(context_len=str(cfg.context_len()), vocab_size=str(service.tokenizer.vocab_size))
-    while True:
-        # Block until something arrives, then drain everything queued and answer once.
-        msgs = [decode(inbound.recv())]
-        while inbound.poll(0):
-            msgs.append(decode(inbound.recv(zmq.NOBLOCK)))
+class TokenizerLoop:
+    """The actor's loop over its sockets: drain what arrived, answer once. Long prompts'
+    texts go to a tokenizing thread (`pending`); their requests are admitted when it is done,
+    unless aborted meanwhile."""
+
+    def __init__(self, service: TokenizerService, inbound: zmq.Socket, to_client: zmq.Socket,
+                 to_scheduler: zmq.Socket) -> None:
+        self.service = service
+        self.inbound, self.to_client, self.to_scheduler = inbound, to_client, to_scheduler
+        self.decode = msgspec.msgpack.Decoder(TokenizerInbound).decode
+        self.encode = msgspec.msgpack.Encoder().encode
+        self.reader = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        self.pending: dict[str, tuple[GenerateRequest, PromptText, Future[list[int]]]] = {}
+        self.detokenize_seconds = 0.0
+
+    def step(self, wait_ms: int | None = None) -> None:
+        """Wait for messages (`wait_ms`; None: until one comes, or a few ms while a long prompt
+        is being tokenized), handle them and every finished tokenization, answer once."""
+        if wait_ms is None and self.pending:
+            wait_ms = PENDING_POLL_MS
+        msgs = []
+        if self.inbound.poll(wait_ms):
+            while self.inbound.poll(0):
+                msgs.append(self.decode(self.inbound.recv(zmq.NOBLOCK)))
         outputs: list[RequestOutput] = []
         lora_updates: list[LoRAUpdated] = []
         stats = None
         for msg in msgs:
             if isinstance(msg, GenerateRequest):
-                tokenized, first = service.tokenize(msg)
-                if first is not None:
-                    outputs.append(first)
-                if tokenized is not None:
-                    to_scheduler.send(encode(tokenized))
+                started = self.service.start(msg)
+                if isinstance(started, PromptText):
+                    self.pending[msg.request_id] = (msg, started, self.reader.submit(
+                        self.service.tokenizer.encode_releasing_gil, started.text,
+                        started.add_special_tokens))
+                else:
+                    self._admitted(started, outputs)
             elif isinstance(msg, Abort):
-                service.abort(msg.request_ids)
-                to_scheduler.send(encode(msg))
+                for rid in msg.request_ids:
+                    self.pending.pop(rid, None)  # its tokens, when they come, go nowhere
+                self.service.abort(msg.request_ids)
+                self.to_scheduler.send(self.encode(msg))
             elif isinstance(msg, LoRAUpdate):  # the scheduler's to check and answer
-                to_scheduler.send(encode(msg))
+                self.to_scheduler.send(self.encode(msg))
             else:
-                t0 = time.perf_counter()
                 stats = msg.stats or stats
                 lora_updates.extend(msg.lora_updates)
-                stopped = []
-                for delta in msg.deltas:
-                    outs, stop_hit = service.outputs(delta)
-                    outputs.extend(outs)
-                    if stop_hit:
-                        stopped.append(delta.request_id)
-                if stopped:  # a normal finish for the scheduler: its KV is worth caching
-                    to_scheduler.send(encode(Abort(stopped, FinishReason.STOP)))
-                detokenize_seconds += time.perf_counter() - t0
+                self._detokenize(msg.deltas, outputs)
+        self._tokenized(outputs)
         if stats is not None:
-            stats.detokenize_seconds = detokenize_seconds
+            stats.detokenize_seconds = self.detokenize_seconds
         if outputs or stats is not None or lora_updates:
-            to_client.send(encode(OutputBatch(outputs, stats, lora_updates)))
+            self.to_client.send(self.encode(OutputBatch(outputs, stats, lora_updates)))
+
+    def _admitted(self, admission: Admission, outputs: list[RequestOutput]) -> None:
+        tokenized, first = admission
+        if first is not None:
+            outputs.append(first)
+        if tokenized is not None:
+            self.to_scheduler.send(self.encode(tokenized))
+
+    def _tokenized(self, outputs: list[RequestOutput]) -> None:
+        for rid, (req, prompt, ids) in list(self.pending.items()):
+            if ids.done():
+                del self.pending[rid]
+                try:
+                    admission = self.service.admit(req, prompt.text, ids.result())
+                except Exception as exc:  # noqa: BLE001 - bad text must not kill the process
+                    admission = self.service.refuse(req, exc)
+                self._admitted(admission, outputs)
+
+    def _detokenize(self, deltas: list[TokenDelta], outputs: list[RequestOutput]) -> None:
+        t0 = time.perf_counter()
+        stopped = []
+        for delta in deltas:
+            outs, stop_hit = self.service.outputs(delta)
+            outputs.extend(outs)
+            if stop_hit:
+                stopped.append(delta.request_id)
+        if stopped:  # a normal finish for the scheduler: its KV is worth caching
+            self.to_scheduler.send(self.encode(Abort(stopped, FinishReason.STOP)))
+        self.detokenize_seconds += time.perf_counter() - t0
+
+
+def main(ctx: ChildContext) -> None:
+    cfg = ctx.config
+    service = TokenizerService(Tokenizer(cfg.resolved_model_dir()), cfg.context_len(),
+                               cfg.model_config().vocab_size)
+    loop = TokenizerLoop(service, pull(ctx.zmq, ctx.endpoints.tokenizer_in),
+                         push(ctx.zmq, ctx.endpoints.client_in),
+                         push(ctx.zmq, ctx.endpoints.scheduler_in))
+    ctx.ready(context_len=str(cfg.context_len()), vocab_size=str(service.tokenizer.vocab_size))
+    while True:
+        loop.step()

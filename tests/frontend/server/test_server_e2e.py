@@ -120,6 +120,17 @@ def test_a_final_assistant_message_is_continued(client, tiny_model_dir):
         assert refused.value.body["param"] == "continue_final_message"
 
 
+def test_a_long_prompt_tokenized_off_the_loop_counts_as_the_tokenizer_does(client, tok):
+    """A prompt text past INLINE_PROMPT_CHARS is tokenized on the tokenizer process's thread:
+    the same ids (usage) as the tokenizer gives in place, and an ordinary answer."""
+    from deepinfer.engine.tokenizer.tokenizer_process import INLINE_PROMPT_CHARS
+
+    prompt = "The quick brown fox jumps. " * (INLINE_PROMPT_CHARS // 27 + 1)
+    r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
+                                  extra_body=NO_EOS)
+    assert r.usage.prompt_tokens == len(tok.encode(prompt)) and r.usage.completion_tokens == 3
+
+
 def test_completions_usage_stream_and_echo(client, tiny_model_dir):
     prompt = "The quick brown fox"
     n_prompt = len(HFTokenizer.from_file(str(tiny_model_dir / "tokenizer.json")).encode(prompt).ids)
