@@ -5,7 +5,9 @@ parser."""
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -29,12 +31,20 @@ def _client(srv: ServerProcess) -> openai.OpenAI:
                          timeout=60)
 
 
+@contextlib.contextmanager
+def _served(model, *args: str) -> Iterator[openai.OpenAI]:
+    """A server of `model` (named "s") with `args`, and a client of it; it must stop cleanly."""
+    srv = ServerProcess(model, "--num-kv-blocks", "64", "--served-model-name", "s", *args)
+    try:
+        yield _client(srv)
+    finally:
+        assert srv.stop() == 0, srv.output()
+
+
 @pytest.fixture(scope="module")
 def client(scripted_dir):
-    srv = ServerProcess(scripted_dir, "--num-kv-blocks", "64", "--served-model-name", "s",
-                        "--reasoning-parser", "qwen3")
-    yield _client(srv)
-    assert srv.stop() == 0, srv.output()
+    with _served(scripted_dir, "--reasoning-parser", "qwen3") as client:
+        yield client
 
 
 def _ask(client: openai.OpenAI, stream: bool, **kw) -> tuple[str, str]:
@@ -88,13 +98,10 @@ def test_structured_output_constrains_only_the_answer(client, stream):
 
 
 def test_without_the_parser_the_model_writes_the_script(scripted_dir):
-    srv = ServerProcess(scripted_dir, "--num-kv-blocks", "64", "--served-model-name", "s")
-    try:
-        r = _client(srv).chat.completions.create(model="s", messages=ASK, max_tokens=40,
-                                                 temperature=0)
+    with _served(scripted_dir) as client:
+        r = client.chat.completions.create(model="s", messages=ASK, max_tokens=40,
+                                           temperature=0)
         assert r.choices[0].message.content == SCRIPT
-    finally:
-        assert srv.stop() == 0, srv.output()
 
 
 @pytest.fixture(scope="module")
@@ -113,10 +120,8 @@ def r1_client(tmp_path_factory):
         opening, "{{ '<|im_start|>assistant\n<think>' }}")
     config.write_text(json.dumps(cfg))
     (model / "chat_template.jinja").write_text(cfg["chat_template"])
-    srv = ServerProcess(model, "--num-kv-blocks", "64", "--served-model-name", "s",
-                        "--reasoning-parser", "deepseek_r1")
-    yield _client(srv)
-    assert srv.stop() == 0, srv.output()
+    with _served(model, "--reasoning-parser", "deepseek_r1") as client:
+        yield client
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -129,10 +134,8 @@ def answers_at_once(tmp_path_factory):
     """Qwen3 answering without `<think>` (its README: then the answer has no reasoning)."""
     model = save_scripted_model(tmp_path_factory.mktemp("plain") / "model", ANSWER,
                                 ("<think>", "</think>"))
-    srv = ServerProcess(model, "--num-kv-blocks", "64", "--served-model-name", "s",
-                        "--reasoning-parser", "qwen3")
-    yield _client(srv)
-    assert srv.stop() == 0, srv.output()
+    with _served(model, "--reasoning-parser", "qwen3") as client:
+        yield client
 
 
 @pytest.mark.parametrize("stream", [False, True])
