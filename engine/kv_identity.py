@@ -75,14 +75,27 @@ def model_fingerprint(model_dir: str) -> str:
     return h.hexdigest()
 
 
-def adapter_salt(name: str, path: str) -> int:
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+def adapter_digest(config: bytes, weights: bytes) -> str:
+    """The digest of a LoRA adapter's two files' bytes (hex): what the workers served and what
+    the prefix cache's salt names must be the same bytes."""
+    return hashlib.sha256(config + b"\0" + weights).hexdigest()
+
+
+def adapter_salt(name: str, digest: str) -> int:
     """A LoRA adapter's salt in the prefix cache's ids (kv_manager.cache_tokens), from its name
-    and its files' content: the same name over other weights (after a restart, in a shared
-    disk tier) is another adapter. Non-zero, below 2^31."""
-    h = hashlib.sha256(b"deepinfer-lora\0" + name.encode() + b"\0")
-    for file in ("adapter_config.json", "adapter_model.safetensors"):
-        h.update(Path(path, file).read_bytes())
+    and its files' digest: the same name over other weights (after a restart, in a shared disk
+    tier) is another adapter. Non-zero, below 2^31."""
+    h = hashlib.sha256(b"deepinfer-lora\0" + name.encode() + b"\0" + digest.encode())
     return int.from_bytes(h.digest()[:4], "big") % (2**31 - 1) + 1
+
+
+def adapter_salt_at(name: str, path: str) -> int:
+    """`adapter_salt` of the adapter whose files are at `path` (read now)."""
+    config, weights = (Path(path, file).read_bytes() for file in ADAPTER_FILES)
+    return adapter_salt(name, adapter_digest(config, weights))
 
 
 def request_salt(adapter: int, cache_salt: str | None) -> int:

@@ -170,12 +170,9 @@ class ModelRunner:
             seconds = self.lora.add(msg.name, msg.path)
         except Exception as exc:  # noqa: BLE001 (e.g. damaged files: refused, the rank lives)
             return LoRAUpdated(msg.request_id, load_failure(msg.path, exc))
-        try:  # the scheduler's salt of its cache ids, from the files read here
-            return LoRAUpdated(msg.request_id, seconds=seconds,
-                               salt=adapter_salt(msg.name, msg.path))
-        except OSError as exc:  # gone meanwhile
-            self.lora.remove(msg.name)
-            return LoRAUpdated(msg.request_id, load_failure(msg.path, exc))
+        # The scheduler's salt of its cache ids, from the very bytes attached.
+        return LoRAUpdated(msg.request_id, seconds=seconds,
+                           salt=adapter_salt(msg.name, self.lora.digests[msg.name]))
 
     def _run(self, batch: StepBatch) -> torch.Tensor:
         if self.lora is None:

@@ -19,7 +19,7 @@ import zmq
 from deepinfer.engine import envs
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.kv_disk_files import block_payloads
-from deepinfer.engine.kv_identity import adapter_salt, kv_block_identity
+from deepinfer.engine.kv_identity import adapter_salt_at, kv_block_identity
 from deepinfer.engine.kvcache.connectors import DiskTierSettings
 from deepinfer.engine.kvcache.event_publisher import ZmqEventPublisher
 from deepinfer.engine.model_config import FULL
@@ -72,7 +72,8 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         vocab_size=model.vocab_size,
         kv_events_identity=kv_block_identity(cfg) if cfg.kv_events() is not None else None,
         disk_tier=disk_tier_settings(cfg),
-        lora_salts={name: adapter_salt(name, path) for name, path in cfg.lora_adapters().items()},
+        lora_salts={name: adapter_salt_at(name, path)
+                    for name, path in cfg.lora_adapters().items()},
         max_loras=cfg.max_loras if cfg.enable_lora else None,
     ))
 

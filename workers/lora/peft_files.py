@@ -11,7 +11,6 @@ from its files (a runtime load may point at any file the server can read).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load as load_safetensors
+
+from deepinfer.engine.kv_identity import adapter_digest
 
 # PEFT's module names this engine maps onto its linears.
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -85,7 +86,7 @@ def read_adapter(path: str | Path, max_rank: int) -> AdapterFiles:
             raise LoRAError(f"{path}: rank {rank} is above --max-lora-rank {max_rank}")
         scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
         products[name] = (ab["A"], ab["B"] * scale)
-    digest = hashlib.sha256(config_bytes + b"\0" + weights_bytes).hexdigest()
+    digest = adapter_digest(config_bytes, weights_bytes)
     return AdapterFiles(products, digest, max((a.shape[0] for a, _ in products.values()),
                                               default=0))
 
