@@ -174,6 +174,16 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     swa_snapshot_interval: Annotated[int | None, setting(
         "keep a sliding-window snapshot every this many prompt tokens (default: the window W; "
         "0: only where prompts and requests end)", at_least=0)] = None
+    # engine/scheduler/audit.py: re-runs cold in idle time only; divergences by shortcut.
+    audit_rate: Annotated[float, setting(
+        "fraction of finished requests re-run cold (no prefix cache, no speculation, exact "
+        "sliding windows, a batch of their own) while the server is idle, their tokens and "
+        "logprobs compared with what was served (/metrics, GET /v1/audit; default 0: off)",
+        at_least=0)] = 0.0
+    deterministic: Annotated[bool, setting(
+        "bit-identical tokens and logprobs for a request whatever shares its batch, however its "
+        "prompt is chunked and wherever its prefix's KV came from (slower: row-invariant "
+        "kernels; default off)")] = False
     overlap_scheduling: Annotated[bool, setting(
         "plan the next step while the workers compute (default on)")] = True
     seed: Annotated[int, setting("engine seed")] = 0

@@ -256,6 +256,19 @@ KV_TRANSFER_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 
                        10.0, 30.0)
 
 
+class AuditDivergence(msgspec.Struct, **_STRUCT):
+    """A request whose cold re-run (--audit-rate) differed: the shortcuts the original took,
+    the first position (0: its first generated token) where a token differed or a logprob moved
+    past the tolerance, the largest logprob difference where the tokens agreed, and how many
+    tokens were compared (engine/scheduler/audit.py)."""
+
+    request_id: str
+    shortcuts: list[str]
+    position: int
+    max_logprob_diff: float
+    num_tokens: int
+
+
 class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     """A snapshot the scheduler publishes after each step. Each statistic is declared here
     once (`stat`, engine/statistics.py): /metrics and the progress log line come from it."""
@@ -362,6 +375,18 @@ class SchedulerStats(msgspec.Struct, tag=True, **_STRUCT):
     generation_tokens_total: Annotated[int, stat(
         "tokens generated, as each step generates them", COUNTER,
         "deepinfer_engine_generation_tokens", log="gen tok/s")] = 0
+    # The exactness audit (--audit-rate; engine/scheduler/audit.py). Divergences per shortcut
+    # render as deepinfer_audit_divergences_total{shortcut=...} (frontend/server/metrics.py);
+    # the latest ones are GET /v1/audit's.
+    audit_requests: Annotated[int, stat("finished requests re-run cold and compared", COUNTER,
+                                        "deepinfer_audit_requests")] = 0
+    audit_divergences: dict[str, int] = {}
+    audit_largest_logprob_diff: Annotated[float, stat(
+        "largest logprob difference between a request and its cold re-run where their tokens "
+        "agreed", GAUGE, "deepinfer_audit_max_logprob_diff")] = 0.0
+    audit_pending: Annotated[int, stat("finished requests waiting for their cold re-run", GAUGE,
+                                       "deepinfer_audit_pending")] = 0
+    audit_latest: list[AuditDivergence] = []
     # Cumulative seconds per phase of a step (engine overhead = everything but forward).
     schedule_seconds: Annotated[float, stat(
         "scheduler: picking the batch, building the plan", PHASE, PHASE_METRIC,

@@ -24,6 +24,7 @@ class Request:
         "sent_to_workers", "num_pending", "cache_node", "window_from", "full_kv_from",
         "replayed_tokens", "spec_in_flight", "spec_misses", "spec_backoff", "window_exact",
         "snapshot_hit", "prompt_logprobs_held", "prompt_logprobs_next", "cache_salt",
+        "shortcuts",
     )
 
     def __init__(
@@ -64,6 +65,9 @@ class Request:
         # prompt position still without them (position 0 never has any).
         self.prompt_logprobs_held: list[PromptChunkLogprobs] = []
         self.prompt_logprobs_next = 1
+        # What it took instead of a cold run of its own (prefix hits by tier, SWA replay, a
+        # shared batch, ...): the exactness audit counts divergences by them.
+        self.shortcuts: set[str] = set()
 
     @property
     def num_tokens(self) -> int:

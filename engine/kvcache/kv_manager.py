@@ -222,9 +222,14 @@ class KVManager:
         self.cache.lock(match)
         req.cache_node = match.node
         hit = match.num_tokens
+        if hit:
+            req.shortcuts.add("prefix_device")
         req.tables[self.full] = list(match.blocks)
         for connector in self.connectors:  # each continues the hit where the last left off
-            hit += self._load_from_connector(connector, req, tokens, hit)
+            loaded = self._load_from_connector(connector, req, tokens, hit)
+            if loaded:
+                req.shortcuts.add("prefix_" + connector.name.removesuffix("_tier"))
+            hit += loaded
         req.hit_tokens = hit
         start = hit
         req.window_exact, req.snapshot_hit = True, False
@@ -237,6 +242,7 @@ class KVManager:
                 replay_from, snap = snapshot
                 self.snapshot_hits += 1
                 req.snapshot_hit = True
+                req.shortcuts.add("swa_snapshot")
                 if shared is not None:  # the tree's, shared (a loaded one is the request's)
                     for b in snap.blocks:
                         self._sliding_allocator.share(b)
@@ -247,6 +253,8 @@ class KVManager:
                 req.window_from = replay_from
                 # Exact only when the replay reaches back past every sliding layer's window.
                 req.window_exact = replay_from == 0 or hit - replay_from >= self.exact_replay
+                if hit > replay_from:
+                    req.shortcuts.add("swa_replay_" + ("exact" if req.window_exact else "window"))
             self.replayed_tokens += hit - replay_from
             req.replayed_tokens = hit - replay_from
             start = replay_from

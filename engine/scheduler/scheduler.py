@@ -32,6 +32,7 @@ from deepinfer.engine.protocol import (
 )
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import prompt_logprobs
+from deepinfer.engine.scheduler.audit import Auditor
 from deepinfer.engine.spec.policy import SpecPolicy
 
 
@@ -63,6 +64,13 @@ class SchedulerConfig:
     # The LoRA adapters the workers serve, each with its salt in the prefix cache's ids.
     lora_salts: dict[str, int] = field(default_factory=dict)
     max_loras: int | None = None  # adapters one batch may use (None: any number)
+    # The exactness audit (engine/scheduler/audit.py): the fraction of finished requests re-run
+    # cold, whether any difference is a bug (--deterministic), and the shortcuts every request
+    # takes on this server (KV dtype, quantization) and a speculating step's (its method).
+    audit_rate: float = 0.0
+    deterministic: bool = False
+    audit_server_shortcuts: tuple[str, ...] = ()
+    spec_shortcut: str = "spec"
 
 
 @dataclass
@@ -104,6 +112,8 @@ class Scheduler:
             self.kv, config.host_blocks, config.worker_ranks, config.kv_hold_timeout,
             config.kv_dtype, config.vocab_size, config.disk_tier, config.tier_block_bytes)
         self.kv.attach(self.connectors)
+        self.audit = Auditor(config.audit_rate, config.deterministic,
+                             config.audit_server_shortcuts)
         self.kv_events: KVEventLog | None = None
         if config.kv_events_identity is not None:
             self.kv_events = KVEventLog(config.kv_events_identity, config.block_size)
@@ -135,6 +145,9 @@ class Scheduler:
         req = Request(msg.request_id, prompt, msg.params, self._arrivals, self.max_len,
                       len(self.config.kv_groups))
         req.cache_salt = salt
+        if msg.params.remote_prefill is not None:
+            req.shortcuts.add("pd_transfer")
+        self.audit.watch(req)
         self._arrivals += 1
         self.requests[req.request_id] = req
         if msg.params.grammar is not None:
@@ -189,12 +202,14 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
-        if reason != FinishReason.ABORT and status != Status.LOADING:
+        audit_run = self.audit.is_run(req)  # a cold re-run: it caches and keeps nothing
+        if reason != FinishReason.ABORT and status != Status.LOADING and not audit_run:
             self.kv.cache_request(req)
         kept, said = False, None
-        for connector in self.connectors:
+        for connector in self.connectors if not audit_run else ():
             keeps, params = connector.finished(req, status, logprobs)
             kept, said = kept or keeps, said or params
+        self.audit.finished(req, reason)
         if not kept:
             self.kv.release(req)
         del self.requests[req.request_id]
@@ -226,7 +241,8 @@ class Scheduler:
         req.status = Status.RUNNING
         self.running.append(req)
         kept, reason = self._append(req, outcome.tokens)
-        delta = TokenDelta(req.request_id, pack_ids(req.output_ids), outcome.logprobs[:kept],
+        delta = TokenDelta(req.request_id, pack_ids(req.output_ids),
+                           self.audit.observe(req, outcome.logprobs[:kept]) or [],
                            reason, prompt_tokens=req.num_prompt,
                            cached_tokens=req.cached_tokens or 0)
         if reason is not None:
@@ -251,7 +267,7 @@ class Scheduler:
             connector.expire()
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.audit.has_jobs())
 
     def wants_speculation(self) -> bool:
         """The next step could speculate if the one in flight were applied first."""
@@ -263,7 +279,8 @@ class Scheduler:
         """Free a running request's KV and queue it first; it will be recomputed, from the
         prefix cache as far as its blocks are still there."""
         self.running.remove(req)
-        self.kv.cache_request(req)
+        if not self.audit.is_run(req):
+            self.kv.cache_request(req)
         self.kv.release(req)
         req.num_computed = 0
         req.status = Status.WAITING
@@ -274,8 +291,22 @@ class Scheduler:
         return min(req.total_tokens - req.num_computed, self.config.prefill_chunk_size, budget)
 
 
+    def _audit_turn(self) -> None:
+        """An audit's cold re-run only while no live request exists: one that came ends it
+        (its job waits again); none left starts the next job (engine/scheduler/audit.py)."""
+        run = self.audit.run[1] if self.audit.run is not None else None
+        live = len(self.requests) - (run is not None)
+        if run is not None and live:
+            self._finish(run, FinishReason.ABORT)
+        elif run is None and not live and self.audit.has_jobs():
+            req = self.audit.start(self._arrivals, self.max_len, len(self.config.kv_groups))
+            self._arrivals += 1
+            self.requests[req.request_id] = req
+            self.waiting.append(req)
+
     def schedule(self) -> ScheduledStep | None:
         self.expire()  # e.g. held KV no decode server came for
+        self._audit_turn()
         budget = self.config.max_num_batched_tokens
         preemptions_before = self.num_preemptions
         chosen: list[tuple[Request, int, int]] = []  # (request, tokens, draft slots)
@@ -318,16 +349,18 @@ class Scheduler:
                     passed_over.append(self.waiting.popleft())
                     continue
                 adapters.add(lora)
-            outside = self._admit_from_connector(req)
+            outside = None if self.audit.is_run(req) else self._admit_from_connector(req)
             if outside is False:
                 break
             if outside:  # its KV comes from outside: compute nothing now
                 self.waiting.popleft()
                 req.cached_tokens = min(req.hit_tokens, req.num_prompt)
                 req.status = Status.RECEIVING
+                req.shortcuts.add("pd_transfer")
                 continue
             # Prompt logprobs need every prompt position's logits: no cached prefix.
-            if self.kv.match_prefix(req, reuse=not prompt_logprobs.wants(req)):
+            cold = prompt_logprobs.wants(req) or self.audit.is_run(req)
+            if self.kv.match_prefix(req, reuse=not cold):
                 # Its prefix is read off the step loop; others run meanwhile (connector_report).
                 self.waiting.popleft()
                 if req.cached_tokens is None:
@@ -386,6 +419,10 @@ class Scheduler:
         self._step_id += 1
         step = ScheduledStep(StepPlan(self._step_id, []))
         for req, n, draft_slots in chosen:
+            if len(chosen) > 1:
+                req.shortcuts.add("batch")
+            if draft_slots:
+                req.shortcuts.add(self.config.spec_shortcut)
             if not req.sent_to_workers:
                 # A decode after a remote prefill already has its first token.
                 step.plan.new_requests.append(NewRequestInfo(
@@ -405,7 +442,7 @@ class Scheduler:
                                [pack_ids(t) for t in req.tables], sample,
                                req.full_kv_from, req.window_from, draft_slots,
                                prompt_logprobs.chunk_asks(req, start, n))
-            if start < req.num_prompt:
+            if start < req.num_prompt and not self.audit.is_run(req):
                 self.kv.cache_prefill(req, start, start + n)  # snapshots it passes
             req.num_computed += n
             req.num_pending += sample
@@ -453,8 +490,13 @@ class Scheduler:
                 # the rejected slots' blocks go back.
                 req.num_computed = seq.start_pos + 1 + min(n - 1, kept)
                 self.kv.trim(req, req.num_tokens)
+            sent = self.audit.observe(req, logprobs[:kept])
+            if sent is None:  # an audit's cold re-run: nothing goes to a client
+                if reason is not None:
+                    self._finish(req, reason)
+                continue
             delta = TokenDelta(
-                req.request_id, pack_ids(new[:kept]), [lp for lp in logprobs[:kept] if lp],
+                req.request_id, pack_ids(new[:kept]), sent,
                 reason, prompt_tokens=req.num_prompt, cached_tokens=req.cached_tokens or 0,
                 replayed_tokens=req.replayed_tokens,
                 prompt_logprobs=prompt_logprobs.take(req),
@@ -503,4 +545,5 @@ class Scheduler:
         )
         for connector in self.connectors:
             connector.fill_stats(stats)
+        self.audit.fill_stats(stats)
         return stats

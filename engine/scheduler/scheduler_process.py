@@ -75,7 +75,25 @@ def build_scheduler(ctx: ChildContext) -> Scheduler:
         lora_salts={name: adapter_salt_at(name, path)
                     for name, path in cfg.lora_adapters().items()},
         max_loras=cfg.max_loras if cfg.enable_lora else None,
+        audit_rate=cfg.audit_rate,
+        deterministic=cfg.deterministic,
+        audit_server_shortcuts=server_shortcuts(cfg),
+        spec_shortcut=f"spec_{cfg.speculative_method}",
     ))
+
+
+def server_shortcuts(cfg: EngineConfig) -> tuple[str, ...]:
+    """What every request on this server takes that a float32 run would not (the audit's
+    labels): a half-precision KV cache, quantized weights."""
+    out = []
+    if cfg.dtype != "float32":
+        out.append(f"dtype_{cfg.dtype}")
+    if cfg.kv_dtype() != "float32":
+        out.append(f"kv_{cfg.kv_dtype()}")
+    quantization = cfg.quantization or cfg.model_config().quantization
+    if quantization not in (None, "none"):
+        out.append(f"quant_{quantization}")
+    return tuple(out)
 
 
 def full_block_bytes(cfg: EngineConfig) -> int:
@@ -260,6 +278,7 @@ class SchedulerLoop:
         result = self._await_result(step.plan.step_id)
         t1 = time.perf_counter()
         deltas = self.scheduler.update(step, result)
+        self._log_divergences()
         s = self.stats
         s.wait_seconds += t1 - t0
         s.update_seconds += time.perf_counter() - t1
@@ -267,6 +286,15 @@ class SchedulerLoop:
         s.sample_seconds += result.sample_ms / 1e3
         self.to_tokenizer.send(self.encode(TokenBatch(deltas, self._stats())))
         self._log_progress()
+
+    def _log_divergences(self) -> None:
+        """Each cold re-run that differed (--audit-rate); with --deterministic a bug."""
+        for found in self.scheduler.audit.take_found():
+            level = logging.ERROR if self.scheduler.config.deterministic else logging.WARNING
+            log.log(level, "audit: request %s diverged from its cold re-run at generated token "
+                    "%d (largest logprob difference %.3g; shortcuts: %s)%s", found.request_id,
+                    found.position, found.max_logprob_diff, ", ".join(found.shortcuts),
+                    " -- a bug under --deterministic" if level == logging.ERROR else "")
 
     def _log_progress(self, every: float = 10.0) -> None:
         """A line every `every` seconds of activity: throughput, queues and where step time went

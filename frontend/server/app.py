@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from deepinfer.engine.protocol import SchedulerStats
 from deepinfer.frontend.auth import UNAUTHORIZED, authorized
 from deepinfer.frontend.server.anthropic.messages import (
     count_message_tokens,
@@ -101,6 +102,17 @@ async def _health(state: ServerState, request: Request) -> Response:
 async def _metrics(state: ServerState, request: Request) -> Response:
     body, content_type = state.metrics.render()
     return Response(body, media_type=content_type)
+
+
+async def _audit(state: ServerState, request: Request) -> Response:
+    """The exactness audit (--audit-rate, engine/scheduler/audit.py): re-runs compared,
+    divergences per shortcut and the latest ones, newest last."""
+    s = state.client.stats if state.client is not None else SchedulerStats()
+    return Response(msgspec.json.encode({
+        "requests": s.audit_requests, "pending": s.audit_pending,
+        "divergences": s.audit_divergences, "max_logprob_diff": s.audit_largest_logprob_diff,
+        "latest": [msgspec.structs.asdict(d) for d in s.audit_latest]}),
+        media_type="application/json")
 
 
 async def _version(state: ServerState, request: Request) -> Response:
@@ -184,6 +196,7 @@ def build_app(
         Route("/v1/responses/{response_id}", _route(state, "responses", stored_response),
               methods=["GET", "DELETE"]),
         Route("/v1/models", _route(state, "models", _models), methods=["GET"]),
+        Route("/v1/audit", _route(state, "audit", _audit), methods=["GET"]),
         Route("/v1/load_lora_adapter", _route(state, "load_lora_adapter", load_lora_adapter),
               methods=["POST"]),
         Route("/v1/unload_lora_adapter",

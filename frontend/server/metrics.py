@@ -84,6 +84,15 @@ class EngineStatsCollector(Collector):
         yield _histogram("deepinfer_kv_transfer_seconds", "seconds per KV transfer",
                          s.kv_transfer_buckets, s.kv_transfer_seconds)
         yield from _tier_metrics(s)
+        # The exactness audit (--audit-rate): a cold re-run that differed, once per shortcut
+        # the original took ("none": it took none).
+        family = CounterMetricFamily("deepinfer_audit_divergences",
+                                     "finished requests whose cold re-run differed, by the "
+                                     "shortcut the original took", labels=["shortcut"])
+        # "none" always: the series (and its label) exists before the first divergence.
+        for shortcut, count in sorted({"none": 0, **s.audit_divergences}.items()):
+            family.add_metric([shortcut], float(count))
+        yield family
 
 
 def _declared_metrics(s: SchedulerStats) -> Iterator[Metric]:

@@ -144,6 +144,9 @@ def openapi_document(version: str, api_key: bool) -> dict[str, Any]:
             **_responses_api(responses_in, response, deleted),
             "/v1/models": _plain_get("listModels", "the served model",
                                      {"application/json": {"schema": models}}),
+            "/v1/audit": _plain_get("audit", "the exactness audit (--audit-rate): counts and "
+                                    "the latest divergences",
+                                    {"application/json": {"schema": {"type": "object"}}}),
             "/v1/load_lora_adapter": _lora_update("loadLoRAAdapter",
                                                   "a LoRA adapter loaded", load),
             "/v1/unload_lora_adapter": _lora_update("unloadLoRAAdapter",

@@ -154,6 +154,7 @@ def test_the_server_view_shows_the_servers_metrics(browser, plain_server):
     hit_rate = metric(url, "deepinfer_prefix_cache_hit_rate")
     assert card("hit-rate").startswith(f"{100 * hit_rate:.1f} % overall")
     assert card("tok-s").endswith("tok/s")
+    assert card("audit") == "0 re-runs, no divergence"  # --audit-rate off
     assert console_errors(browser) == []
 
 

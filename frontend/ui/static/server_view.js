@@ -32,6 +32,15 @@ function rateBetween(a, b, name) {
   return ((b.metrics.get(name) ?? 0) - (a.metrics.get(name) ?? 0)) / (b.t - a.t);
 }
 
+// The exactness audit (--audit-rate): re-runs compared, and divergences per shortcut.
+export function auditSummary(m) {
+  const runs = m.get("deepinfer_audit_requests_total") ?? 0;
+  const prefix = "deepinfer_audit_divergences_total{shortcut=\"";
+  const by = [...m].filter(([k, v]) => k.startsWith(prefix) && v > 0)
+    .map(([k, v]) => `${k.slice(prefix.length, -2)} ${v}`);
+  return `${runs} re-runs, ${by.length ? `divergences: ${by.join(", ")}` : "no divergence"}`;
+}
+
 export class ServerView {
   constructor() {
     this.samples = [];  // {t (s), metrics}
@@ -88,6 +97,7 @@ export class ServerView {
       ["hits-per-tier", "Prompt tokens from cache",
         `device ${tier("device")}, host ${tier("host")}, disk ${tier("disk")}`],
       ["tok-s", "Generation", `${this.rate("deepinfer_engine_generation_tokens_total").toFixed(1)} tok/s`],
+      ["audit", "Exactness audit", auditSummary(m)],
     ];
     this.cards.replaceChildren(...cards.map(([id, label, value]) => {
       const card = document.createElement("div");
