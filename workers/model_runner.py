@@ -26,6 +26,7 @@ from deepinfer.engine.protocol import (
     pack_ids,
     unpack_ids,
 )
+from deepinfer.workers import deterministic
 from deepinfer.workers.attention import AttentionMetadata, select_backend
 from deepinfer.workers.cuda_graphs import DecodeGraphs, capture_sizes
 from deepinfer.workers.distributed.parallel_state import group, tp
@@ -66,9 +67,11 @@ class ModelRunner:
         dtype = DTYPES[config.dtype]
         # Chosen now, so the native kernel builds (or loads) at start, not in the first step.
         self.attention = select_backend(device, dtype)
-        self.model = load_model(config.resolved_model_dir(), config.dtype,
-                                config.cpu_linear_weights, self.attention,
+        copies = deterministic.WEIGHT_COPIES if config.deterministic else config.cpu_linear_weights
+        self.model = load_model(config.resolved_model_dir(), config.dtype, copies, self.attention,
                                 quantization=config.quantization, device=device)
+        if config.deterministic:  # batch- and chunk-invariant kernels (workers/deterministic.py)
+            deterministic.make_row_invariant(self.model, self.attention)
         layout = config.kv_cache_layout()
         self.groups = [g.kind for g in layout.groups()]
         self.windows = [g.window for g in layout.groups()]

@@ -52,6 +52,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return _OP(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale)
 
 
+# Blocks per run of a row under --deterministic: long rows still spread over the threads.
+FIXED_SPLIT_BLOCKS = 16
+
+
+def set_fixed_split(blocks: int) -> None:
+    """Split every row into runs of exactly `blocks` blocks (> 0: batch-invariant results,
+    --deterministic) or as the batch's size suits (0, the default). Process-wide; call
+    `available` first."""
+    _OP.sibling("paged_attention_fixed_split")(blocks)
+
+
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, key_lo: torch.Tensor,
                                key_hi: torch.Tensor, scale: float) -> torch.Tensor:

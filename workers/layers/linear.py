@@ -69,6 +69,10 @@ class Linear(nn.Module):
         )
         self.packed: torch.Tensor | None = None  # the oneDNN-packed weight
         self.small_m = False  # the plain weight is kept and the small-M kernel takes it
+        # --deterministic (workers/deterministic.py): the small-M kernel at every row count; its
+        # sums per output run in one order whatever M is, so a row's result never depends on
+        # the batch it came in.
+        self.row_invariant = False
         # Plain attributes for the hot path (nn.Module's parameter lookup costs ~1 us a call).
         self._w: torch.Tensor | None = None
         self._b: torch.Tensor | None = None
@@ -146,7 +150,7 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.quant is not None:
             return self.quant(x)
-        if self.small_m and x.shape[0] <= SMALL_M:
+        if self.small_m and (x.shape[0] <= SMALL_M or self.row_invariant):
             return cpu_linear.linear_small_m(x, self._w, self._b)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self._b, "none", [], "")

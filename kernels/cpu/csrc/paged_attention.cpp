@@ -34,6 +34,10 @@
 namespace {
 
 constexpr int64_t kLanes = 8;  // partial sums per dot product in the portable path
+// Blocks per task when > 0 (--deterministic, set by paged_attention_fixed_split): a row is cut
+// into runs at fixed block offsets from its first key, whatever the batch, so its softmax
+// partial states, and the order they combine in, depend only on the row itself.
+std::atomic<int64_t> g_fixed_part{0};
 // K+V bytes a task touches ahead of computing on them: well inside a core's L2.
 constexpr int64_t kTouchBytes = 128 * 1024;
 
@@ -199,7 +203,11 @@ void decode(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_
   int64_t total_blocks = 0;
   for (int64_t b = 0; b < B; ++b) total_blocks += row_blocks(b);
   const int64_t want_tasks = 4 * at::get_num_threads();
-  const int64_t part = std::clamp<int64_t>((total_blocks + want_tasks - 1) / want_tasks, 4, 64);
+  const int64_t fixed_part = g_fixed_part.load(std::memory_order_relaxed);
+  const int64_t part = fixed_part > 0
+                           ? fixed_part
+                           : std::clamp<int64_t>((total_blocks + want_tasks - 1) / want_tasks, 4,
+                                                 64);
   const auto row_parts = [=](int64_t b) -> int64_t {
     return std::max<int64_t>(1, (row_blocks(b) + part - 1) / part);
   };
@@ -371,9 +379,17 @@ at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache
   return out;
 }
 
+// blocks > 0: every row is split into runs of exactly this many blocks (batch-invariant);
+// 0: the split follows the batch's size (the default, fastest).
+void paged_attention_fixed_split(int64_t blocks) {
+  TORCH_CHECK(blocks >= 0, "paged_attention_fixed_split: blocks must be >= 0");
+  g_fixed_part.store(blocks, std::memory_order_relaxed);
+}
+
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("paged_decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor key_lo, Tensor key_hi, float scale) -> Tensor");
+  m.def("paged_attention_fixed_split(int blocks) -> ()", &paged_attention_fixed_split);
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
