@@ -70,36 +70,56 @@ def test_nothing_broken_nothing_diverges_over_a_mixed_workload(tiny_model_dir, t
     assert stats.audit_divergences == {}
 
 
-def corrupt_one_value(path: Path) -> None:
+def test_under_deterministic_reruns_match_to_the_bit(tiny_model_dir, tmp_path):
+    """With --deterministic the tolerance is 0: batches, chunks and prefix hits must leave no
+    logprob difference at all."""
+    base = prompt(40, seed=1)
+    with engine(tiny_model_dir, deterministic=True, kv_disk_path=str(tmp_path),
+                prefill_chunk_size=16, max_num_batched_tokens=32) as llm:
+        llm.generate([base], GREEDY)
+        batch = [base + prompt(6, seed=s) for s in range(2, 6)] + [prompt(30, seed=9)]
+        params = [GREEDY, SamplingParams(max_tokens=6, temperature=0.8, seed=3),
+                  SamplingParams(max_tokens=6, temperature=1.0), GREEDY, GREEDY]
+        outs = llm.generate(batch, params)
+        assert sum(o.cached_tokens for o in outs) > 0
+        stats = audited(llm, 6)
+    assert stats.audit_divergences == {} and stats.audit_largest_logprob_diff == 0.0
+
+
+def corrupt_one_value(path: Path, delta: float = 8.0) -> None:
     """One float32 of the block's K/V changed, the header's checksum recomputed to match."""
     data = bytearray(path.read_bytes())
     magic, ident, digest, size, _ = struct.unpack_from("<8s32s32sQI", data)
     assert magic == MAGIC
     at = HEADER_BYTES + 4 * 7
     (value,) = struct.unpack_from("<f", data, at)
-    struct.pack_into("<f", data, at, value + 8.0)
+    struct.pack_into("<f", data, at, value + delta)
     payload = bytes(data[HEADER_BYTES:])
     struct.pack_into("<8s32s32sQI", data, 0, magic, ident, digest, size, checksum(payload))
     path.write_bytes(bytes(data))
 
 
+@pytest.mark.parametrize("deterministic,delta", [(False, 8.0), (True, 1e-3)],
+                         ids=["default", "deterministic_small_change"])
 def test_a_disk_block_changed_with_a_matching_checksum_is_reported_under_prefix_disk(
-        tiny_model_dir, tmp_path):
+        tiny_model_dir, tmp_path, deterministic, delta):
+    """A large change moves logprobs past the default tolerance; under --deterministic (no
+    tolerance) a change of 1e-3 in one value is enough."""
     base = prompt(40, seed=1)
     with LLM(str(tiny_model_dir), num_kv_blocks=200, block_size=4,
-             kv_disk_path=str(tmp_path)) as llm:
+             kv_disk_path=str(tmp_path), deterministic=deterministic) as llm:
         llm.generate([base], GREEDY)
     files = sorted(tmp_path.rglob("*.kv"))
     assert files
     for path in files:
-        corrupt_one_value(path)
-    with engine(tiny_model_dir, kv_disk_path=str(tmp_path)) as llm:
+        corrupt_one_value(path, delta)
+    with engine(tiny_model_dir, kv_disk_path=str(tmp_path), deterministic=deterministic) as llm:
         out = llm.generate([base + prompt(6, seed=2)], GREEDY)[0]
         stats = audited(llm, 1)
     assert out.cached_tokens > 0 and stats.disk_corrupt_blocks == 0  # it passed the check
     assert stats.audit_divergences == {"prefix_disk": 1}
     (found,) = stats.audit_latest
-    assert found.shortcuts == ["prefix_disk"] and found.max_logprob_diff > 1e-3
+    assert found.shortcuts == ["prefix_disk"] and found.max_logprob_diff > 0.0
 
 
 @pytest.mark.parametrize("snapshots", [True, False], ids=["restored", "not_restored"])
