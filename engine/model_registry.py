@@ -110,7 +110,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         _deepseek_v3, mtp=True),
     "DeepseekV4ForCausalLM": Architecture(
         "deepinfer.workers.models.deepseek_v4:DeepseekV4ForCausalLM", ("deepseek_v4",),
-        _deepseek_v4),
+        _deepseek_v4, mtp=True),
 }
 
 

@@ -83,7 +83,20 @@ def save_tiny_model(out: Path, arch: str = "llama", tokenizer_from: Path | None 
     cfg = getattr(transformers, f"{config_prefix}Config")(**base)
     cls = getattr(transformers, f"{model_prefix}ForCausalLM")
     torch.manual_seed(base.get("seed", 0) if "seed" in base else 0)
-    model = cls(cfg).to(torch.float32).eval()
+    model = _randomized(cls(cfg).to(torch.float32).eval(), cfg)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(out), safe_serialization=True)
+    src = tokenizer_from or prepare(DEFAULT_MODEL_NAME, cache_dir())
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            shutil.copy(src / name, out / name)
+    return out
+
+
+def _randomized(model, cfg):
+    """transformers' random init, made decisive and nonzero where real checkpoints are."""
+    import torch
+
     # Random init is small; widen the logit spread so greedy choices are decisive.
     with torch.no_grad():
         for p in model.parameters():
@@ -98,24 +111,22 @@ def save_tiny_model(out: Path, arch: str = "llama", tokenizer_from: Path | None 
             elif name.endswith("tid2eid"):  # each token's experts, distinct
                 t.copy_(torch.stack([torch.randperm(cfg.n_routed_experts)[: t.shape[1]]
                                      for _ in range(t.shape[0])]))
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(out), safe_serialization=True)
-    src = tokenizer_from or prepare(DEFAULT_MODEL_NAME, cache_dir())
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (src / name).exists():
-            shutil.copy(src / name, out / name)
-    return out
+    return model
 
 
 def add_mtp_weights(model_dir: Path, seed: int = 1) -> None:
-    """Give a tiny DeepSeek-V3 checkpoint one random MTP layer (HF drops them on save), named as
-    DeepSeek's checkpoints name it: `model.layers.{num_hidden_layers}.*`."""
+    """Give a tiny DeepSeek-V3 or V4 checkpoint one random MTP layer (HF drops them on save),
+    named as DeepSeek's checkpoints name it: V3 `model.layers.{num_hidden_layers}.*`, V4
+    `mtp.0.*` (written to model-mtp.safetensors)."""
     import torch
     from safetensors.torch import save_file
     from transformers import AutoConfig
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     cfg = AutoConfig.from_pretrained(str(model_dir))
+    if cfg.model_type == "deepseek_v4":
+        save_file(v4_mtp_tensors(model_dir, seed), str(model_dir / "model-mtp.safetensors"))
+        return
     n, hidden = cfg.num_hidden_layers, cfg.hidden_size
     torch.manual_seed(seed)
     layer = DeepseekV3DecoderLayer(cfg, n).float()
@@ -135,3 +146,49 @@ def add_mtp_weights(model_dir: Path, seed: int = 1) -> None:
     })
     save_file({f"model.layers.{n}.{k}": v.contiguous() for k, v in tensors.items()},
               str(model_dir / "model-mtp.safetensors"))
+
+
+def v4_mtp_tensors(model_dir: Path, seed: int = 1) -> dict:
+    """A random DeepSeek-V4 MTP block for a tiny V4 checkpoint, in DeepSeek's names (`mtp.0.*`):
+    a decoder layer with window attention and a routed MoE (transformers builds it as layer
+    `num_hidden_layers` of a model one layer deeper, and saves it in those names), then the
+    block's own norms, projections and stream head."""
+    import json
+    import tempfile
+
+    import torch
+    import transformers
+    from safetensors.torch import load_file
+
+    raw = json.loads((Path(model_dir) / "config.json").read_text())
+    n, hidden, hc = raw["num_hidden_layers"], raw["hidden_size"], raw["hc_mult"]
+    raw.update(num_hidden_layers=n + 1,
+               layer_types=[*raw["layer_types"][:n], "sliding_attention"],
+               mlp_layer_types=[*raw["mlp_layer_types"][:n], "moe"])
+    for key in ("architectures", "transformers_version", "model_type", "dtype"):
+        raw.pop(key, None)
+    cfg = transformers.DeepseekV4Config(**raw)
+    torch.manual_seed(seed)
+    deeper = _randomized(transformers.DeepseekV4ForCausalLM(cfg).to(torch.float32).eval(), cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        deeper.save_pretrained(tmp, safe_serialization=True)
+        saved = {}
+        for path in Path(tmp).glob("*.safetensors"):
+            saved.update(load_file(str(path)))
+    layer = f"model.layers.{n}."
+    tensors = {PREFIX_MTP + k.removeprefix(layer): v for k, v in saved.items()
+               if k.startswith(layer)}
+    tensors.update({PREFIX_MTP + k: v for k, v in {
+        "e_proj.weight": 0.3 * torch.randn(hidden, hidden),
+        "h_proj.weight": 0.3 * torch.randn(hidden, hidden),
+        "enorm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "hnorm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "norm.weight": 1.0 + 0.02 * torch.randn(hidden),
+        "hc_head_fn": 0.1 * torch.randn(hc, hc * hidden),
+        "hc_head_base": 0.1 * torch.randn(hc),
+        "hc_head_scale": torch.ones(1),
+    }.items()})
+    return {k: v.contiguous() for k, v in tensors.items()}
+
+
+PREFIX_MTP = "mtp.0."

@@ -94,7 +94,7 @@ class ModelRunner:
         self.graphs = None if self.lora is not None else self._decode_graphs()
         self.sampler = Sampler(config.seed)
         self.states: dict[str, SamplingState] = {}
-        self.spec = Speculation(build_proposer(config, self.sampler))
+        self.spec = Speculation(build_proposer(config, self.sampler, self.model))
         self._grammars: GrammarCompileService | None = None  # with the first structured request
         # The KV connectors' worker halves (workers/kv_connectors): the host tier copies a
         # proposer's own cache beside the target's.

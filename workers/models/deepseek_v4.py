@@ -203,9 +203,9 @@ class V4Attention(nn.Module):
         for seq_src, seq_dst in zip(sliding.seqs, full.seqs):
             start, end = seq_src.start, seq_src.start + seq_src.num_tokens
             first = max(-(-(start + 1) // rate) - 1, -(-(seq_dst.write_from + 1) // rate) - 1)
-            windows = torch.arange(max(first, 0), end // rate)
-            if not len(windows):
+            if end // rate <= max(first, 0):  # none ends here uncached (a replayed chunk)
                 continue
+            windows = torch.arange(max(first, 0), end // rate)
             pos = (windows[:, None] + 1) * rate - span + torch.arange(span)[None]
             src_table = _table(seq_src.table)
             rows = self._rows(caches, src, src_table, pos.clamp(min=0).flatten(), bs)
@@ -489,4 +489,4 @@ class DeepseekV4ForCausalLM(LlamaForCausalLM):
         return name
 
     def skips_weight(self, name: str) -> bool:
-        return name.startswith("mtp.")  # the MTP layers are not served (no V4 proposer yet)
+        return name.startswith("mtp.")  # the MTP block: the proposer's (spec_decode/mtp_v4.py)

@@ -88,6 +88,13 @@ class Proposer:
     def propose(self, step: list[StepInput], requests: list[DraftRequest]) -> list[Draft]:
         raise NotImplementedError
 
+    def target_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What this proposer reads of the target per batch row (`observe`'s and `record`'s
+        hidden): by default the model's final hidden state, `hidden`; a proposer may read
+        something else the step's forward computed (DeepSeek-V4's residual streams, chosen
+        layers' outputs), row for row."""
+        return hidden
+
     def verified(self, request: DraftRequest, proposed: int, accepted: int) -> None:
         """The target kept the first `accepted` of the `proposed` drafts."""
 

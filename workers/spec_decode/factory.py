@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from deepinfer.engine.config import EngineConfig
 from deepinfer.engine.model_config import ModelConfigError
 from deepinfer.workers.sample.sampler import Sampler
@@ -9,7 +11,10 @@ from deepinfer.workers.spec_decode.base import Proposer
 from deepinfer.workers.spec_decode.ngram import NgramProposer
 
 
-def build_proposer(config: EngineConfig, sampler: Sampler) -> Proposer | None:
+def build_proposer(config: EngineConfig, sampler: Sampler, target: nn.Module | None = None
+                   ) -> Proposer | None:
+    """`target`: the served model (proposers that read its layers or share its embedding and
+    head: DeepSeek-V4's MTP layer, DSpark)."""
     method = config.speculative_method
     if method is None:
         return None
@@ -25,6 +30,11 @@ def build_proposer(config: EngineConfig, sampler: Sampler) -> Proposer | None:
     if method == "mtp":
         from deepinfer.workers.spec_decode.mtp import MtpProposer
 
+        if config.model_config().compressed is not None:  # DeepSeek-V4
+            from deepinfer.workers.spec_decode.mtp_v4 import V4MtpProposer
+
+            return V4MtpProposer(config.resolved_model_dir(), config.dtype, config.kv_blocks(),
+                                 config.block_size, config.cpu_linear_weights, sampler, target)
         return MtpProposer(config.resolved_model_dir(), config.dtype, config.kv_blocks(),
                            config.block_size, config.cpu_linear_weights, sampler)
     raise ModelConfigError(f"unknown speculative method {method!r}")

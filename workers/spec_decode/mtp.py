@@ -174,7 +174,7 @@ class MtpProposer(Proposer):
                 hidden = self._forward([(r.request_id, tables[r.request_id], r.start + j - 1,
                                          np.asarray([d.tokens[-1]], np.int64), h[None])
                                         for (r, d), h in zip(live, hidden)])
-            logits = self.layer.shared_head(hidden)[:, : self.vocab_size]
+            logits = self._logits(hidden)
             extend_drafts(self.sampler, [r for r, _ in live], [d for _, d in live], logits)
             keep = [i for i, (r, d) in enumerate(live) if len(d.tokens) < r.max_drafts]
             live, hidden = [live[i] for i in keep], hidden[keep]
@@ -197,4 +197,12 @@ class MtpProposer(Proposer):
         ids = torch.from_numpy(np.concatenate([r[3] for r in rows]))
         pos = torch.from_numpy(np.concatenate(
             [np.arange(start, start + len(i)) for _, _, start, i, _ in rows]).astype(np.int64))
-        return self.layer.predict(ids, torch.cat([r[4] for r in rows]), pos, self.kv[0], [meta])
+        return self._predict(ids, torch.cat([r[4] for r in rows]), pos, meta)
+
+    def _predict(self, ids: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+                 meta) -> torch.Tensor:
+        """The layer's output at each row, writing its K/V at the rows' slots."""
+        return self.layer.predict(ids, hidden, positions, self.kv[0], [meta])
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.layer.shared_head(hidden)[:, : self.vocab_size]

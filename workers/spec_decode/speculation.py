@@ -84,6 +84,8 @@ class Speculation:
         if self.proposer is None:
             return
         keep_hidden = self.proposer.needs_hidden_states
+        if keep_hidden:
+            hidden = self.proposer.target_hidden(hidden)
         for r, (tokens, _) in zip(sampled, new):
             req = self.requests.get(r.seq.request_id)
             if req is not None:
@@ -97,6 +99,7 @@ class Speculation:
         input rows and the drafts it kept (after the states took the step's tokens)."""
         if self.proposer is None or not self.proposer.observes:
             return
+        hidden = self.proposer.target_hidden(hidden)
         seqs = []
         for r, inp in zip(rows, inputs):
             state, start = r.state, r.seq.start_pos
