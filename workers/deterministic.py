@@ -13,14 +13,18 @@ every row, one order fixed by the row alone:
   keys from the cache in runs of a fixed number of blocks from its first key, combined in order
   (kernels/cpu/attention.py set_fixed_split): a query at position p sums exactly the same way
   in a chunk, in a decode, after a prefix hit from any tier, or beside 63 other requests;
-- norms, rotary, silu·up: the native ops already compute each row alone; sampling reduces each
-  row alone (log_softmax, softmax, cumsum, argmax over the vocabulary), and seeded draws are
-  u(seed, k) (workers/sample/sampler.py): unseeded sampling draws from the engine's generator in
-  batch order, so only greedy and seeded requests are reproducible.
+- on a GPU (workers/attention/triton_backend.py): linears through a fixed-tile Triton matmul
+  (kernels/triton/matmul.py) instead of cuBLAS, decode attention for every token in splits of a
+  fixed number of keys merged in order (kernels/triton/decode_attention.py keys_per_split);
+- norms, rotary, silu·up: the native ops and the Triton kernels already compute each row
+  alone; sampling (on the host) reduces each row alone (log_softmax, softmax, cumsum, argmax
+  over the vocabulary), and seeded draws are u(seed, k) (workers/sample/sampler.py): unseeded
+  sampling draws from the engine's generator in batch order, so only greedy and seeded
+  requests are reproducible.
 
-Every step is then "all decode rows", so a Llama-family model runs each step through its one-call
-native decode stack, the linears on the small-M kernel throughout. What it costs: prefill chunks
-lose the GEMM (the small-M kernel is a weight-streaming kernel, far from a GEMM's peak at
+Every step is then "all decode rows", so on the CPU a Llama-family model runs each step through
+its one-call native decode stack, the linears on the small-M kernel throughout. What it costs:
+prefill chunks lose the GEMM (the small-M kernel streams weights; it is far from a GEMM's peak at
 hundreds of rows) and attention over a chunk becomes one kernel row per token.
 """
 
@@ -40,22 +44,26 @@ def make_row_invariant(model: nn.Module, backend: AttentionBackend) -> None:
     """Switch a loaded model (loaded with WEIGHT_COPIES) to row-invariant kernels; raises
     ModelConfigError where this device or model has none."""
     from deepinfer.workers.attention.cpu_backend import CpuAttention
+    from deepinfer.workers.attention.triton_backend import TritonAttention
 
-    if not isinstance(backend, CpuAttention):
+    if not isinstance(backend, (CpuAttention, TritonAttention)):
         raise ModelConfigError(
-            f"--deterministic runs on the CPU's native float32 kernels; the {backend.name} "
-            "attention backend has no row-invariant mode")
-    slow = [name for name, m in model.named_modules()
-            if isinstance(m, Linear) and m.weight.numel() and not m.small_m]
-    if slow or any(isinstance(m, Linear) and m.quant is not None for m in model.modules()):
+            "--deterministic runs on the CPU's native float32 kernels or the Triton kernels of "
+            f"a GPU; the {backend.name} attention backend has no row-invariant mode")
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
+    quantized = [name for name, m in linears if m.quant is not None]
+    on_cpu = isinstance(backend, CpuAttention)
+    slow = [name for name, m in linears if on_cpu and m.quant is None and not m.small_m]
+    if quantized or slow:
         raise ModelConfigError(
-            "--deterministic needs float32 weights the native small-M kernel takes (no "
-            f"quantized ones); these are not: {', '.join(slow) or 'quantized linears'}")
-    cpu_attention.set_fixed_split(cpu_attention.FIXED_SPLIT_BLOCKS)
+            "--deterministic needs float32 weights the native small-M kernel takes, or a GPU's "
+            f"unquantized ones; these are not: {', '.join(quantized + slow)}")
+    if on_cpu:
+        cpu_attention.set_fixed_split(cpu_attention.FIXED_SPLIT_BLOCKS)
     backend.row_invariant = True
+    for _, m in linears:
+        m.row_invariant = True
     for m in model.modules():
-        if isinstance(m, Linear):
-            m.row_invariant = True
         if getattr(m, "fast_stack", None) is not None:
             # Its linears have no packed copy: the small-M kernel at every row count.
             m.fast_any_rows = True

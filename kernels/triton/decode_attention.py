@@ -15,6 +15,11 @@ group (its heads padded to 16 rows, so both products are tensor-core dots), and 
 partial (max, sum, unnormalised output); a second kernel merges the splits by log-sum-exp and
 folds in the sink. Splitting keeps the GPU busy when a few long rows are all there is (batch 1,
 long context); with many rows one split each is enough.
+
+`keys_per_split` (--deterministic) makes a row's result independent of its batch: splits of that
+many keys from the row's first key (instead of a count chosen from the batch's size and widest
+table), merged in split order one after another, so the splits past a short row's end (empty:
+weight 0) add exact zeros.
 """
 
 from __future__ import annotations
@@ -62,7 +67,8 @@ def key_block(tables_ptr, n0, end, block_size, BLOCK_N: tl.constexpr):
 @triton.jit
 def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lo_ptr, hi_ptr, po_ptr, pm_ptr,
                          pl_ptr, scale, q_row, q_head, table_row, c_block, c_slot, c_head,
-                         block_size, window, group, dim, num_splits, PRECISION: tl.constexpr,
+                         block_size, window, group, dim, num_splits, keys_per_split,
+                         PRECISION: tl.constexpr,
                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     kvh = tl.program_id(1)
@@ -70,7 +76,11 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lo_ptr, hi_ptr, po_ptr
     lo = tl.load(lo_ptr + b).to(tl.int32)
     hi = tl.load(hi_ptr + b).to(tl.int32)
     lo = tl.where(window > 0, tl.maximum(lo, hi - window), lo)
-    start, end = split_range(lo, hi, split, num_splits, BLOCK_N)
+    if keys_per_split > 0:  # fixed runs from the row's first key (a multiple of BLOCK_N)
+        start = tl.maximum(lo, 0) + split * keys_per_split
+        end = tl.minimum(start + keys_per_split, hi)
+    else:
+        start, end = split_range(lo, hi, split, num_splits, BLOCK_N)
 
     g = tl.arange(0, BLOCK_G)
     d = tl.arange(0, BLOCK_D)
@@ -101,7 +111,8 @@ def _decode_split_kernel(q_ptr, k_ptr, v_ptr, tables_ptr, lo_ptr, hi_ptr, po_ptr
 @triton.jit
 def _decode_merge_kernel(po_ptr, pm_ptr, pl_ptr, sinks_ptr, out_ptr, out_row, out_head,
                          num_heads, dim, num_splits, HAS_SINKS: tl.constexpr,
-                         BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+                         IN_ORDER: tl.constexpr, BLOCK_S: tl.constexpr,
+                         BLOCK_D: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     sp = tl.arange(0, BLOCK_S)
@@ -114,13 +125,23 @@ def _decode_merge_kernel(po_ptr, pm_ptr, pl_ptr, sinks_ptr, out_ptr, out_row, ou
     if HAS_SINKS:
         sink = tl.load(sinks_ptr + h).to(tl.float32)
         m_all = tl.maximum(m_all, sink)
-    w = tl.exp(m - m_all)
-    total = tl.sum(w * denom, axis=0)
+    if IN_ORDER:  # one split after another: the sum's order never depends on num_splits
+        total = tl.zeros([], tl.float32)
+        o = tl.zeros([BLOCK_D], tl.float32)
+        first = (b * num_heads + h) * num_splits
+        for i in range(0, num_splits):
+            w_i = tl.exp(tl.load(pm_ptr + first + i) - m_all)
+            total += w_i * tl.load(pl_ptr + first + i)
+            o += w_i * tl.load(po_ptr + (first + i) * dim + d, mask=d < dim, other=0.0)
+    else:
+        w = tl.exp(m - m_all)
+        total = tl.sum(w * denom, axis=0)
+        acc = tl.load(po_ptr + part[:, None] * dim + d[None, :],
+                      mask=s_mask[:, None] & (d < dim)[None, :], other=0.0)
+        o = tl.sum(w[:, None] * acc, axis=0)
     if HAS_SINKS:
         total += tl.exp(sink - m_all)
-    acc = tl.load(po_ptr + part[:, None] * dim + d[None, :],
-                  mask=s_mask[:, None] & (d < dim)[None, :], other=0.0)
-    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(total > 0, total, 1.0)
+    o = o / tl.where(total > 0, total, 1.0)
     tl.store(out_ptr + b * out_row + h * out_head + d, o.to(out_ptr.dtype.element_ty),
              mask=d < dim)
 
@@ -138,9 +159,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, key_lo: torch.Tensor,
                            key_hi: torch.Tensor, scale: float,
                            sinks: torch.Tensor | None = None, window: int | None = None,
-                           num_splits: int | None = None, block_n: int = 32) -> torch.Tensor:
+                           num_splits: int | None = None, block_n: int = 32,
+                           keys_per_split: int | None = None) -> torch.Tensor:
     """q [B, H, D] (last dim contiguous); caches [num_blocks, block_size, KVH, D] with equal
     strides; block_tables [B, MB] int32/int64; key_lo, key_hi [B] int; sinks [H] or None.
+    `keys_per_split` (a multiple of block_n): batch-invariant splits of that many keys.
     Returns [B, H, D] in q's dtype."""
     batch, heads, dim = q.shape
     block_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -149,7 +172,10 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     out = torch.empty_like(q)
     if batch == 0:
         return out
-    if num_splits is None:
+    if keys_per_split:
+        assert keys_per_split % block_n == 0
+        num_splits = triton.cdiv(block_tables.shape[1] * block_size, keys_per_split)
+    elif num_splits is None:
         num_splits = default_num_splits(batch, kv_heads, block_tables.shape[1] * block_size)
     group = heads // kv_heads
     parts = torch.empty(batch, heads, num_splits, dim, dtype=torch.float32, device=q.device)
@@ -160,13 +186,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     _decode_split_kernel[(batch, kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, key_lo, key_hi, parts, part_m, part_l, scale,
         q.stride(0), q.stride(1), block_tables.stride(0), *k_cache.stride()[:3], block_size,
-        window or 0, group, dim, num_splits, PRECISION=precision,
+        window or 0, group, dim, num_splits, keys_per_split or 0, PRECISION=precision,
         BLOCK_G=max(16, triton.next_power_of_2(group)),
         BLOCK_N=block_n, BLOCK_D=block_d)
     _decode_merge_kernel[(batch, heads)](
         parts, part_m, part_l, part_m if sinks is None else sinks, out, out.stride(0),
         out.stride(1), heads, dim, num_splits, HAS_SINKS=sinks is not None,
-        BLOCK_S=triton.next_power_of_2(num_splits), BLOCK_D=block_d)
+        IN_ORDER=bool(keys_per_split), BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_D=block_d)
     return out
 
 

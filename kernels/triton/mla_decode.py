@@ -113,7 +113,7 @@ def mla_decode_attention(q_latent: torch.Tensor, q_rope: torch.Tensor,
         BLOCK_N=block_n, BLOCK_L=block_l, BLOCK_R=max(16, triton.next_power_of_2(rope)))
     _decode_merge_kernel[(batch, heads)](
         parts, part_m, part_l, part_m, out, out.stride(0), out.stride(1), heads, latent,
-        num_splits, HAS_SINKS=False, BLOCK_S=triton.next_power_of_2(num_splits),
+        num_splits, HAS_SINKS=False, IN_ORDER=False, BLOCK_S=triton.next_power_of_2(num_splits),
         BLOCK_D=block_l)
     return out
 

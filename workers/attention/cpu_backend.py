@@ -7,28 +7,16 @@ either way.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from deepinfer.kernels.cpu import attention as cpu_attention
-from deepinfer.workers.attention.metadata import AttentionMetadata, SeqSlice
+from deepinfer.workers.attention.metadata import AttentionMetadata
 from deepinfer.workers.attention.torch_backend import TorchAttention
 
 
 class CpuAttention(TorchAttention):
     name = "cpu"
     native_decode = True
-    # --deterministic (workers/deterministic.py): every token is a row of the paged kernel,
-    # prompt chunks too, so a query's keys are read in one fixed order (whatever the chunk).
-    row_invariant = False
-
-    def build_metadata(self, slices: list[SeqSlice], block_size: int,
-                       window: int | None) -> AttentionMetadata:
-        if self.row_invariant:
-            slices = [s if s.verify or s.num_tokens == 1 else dataclasses.replace(s, verify=True)
-                      for s in slices]
-        return AttentionMetadata.build(slices, block_size, window)
 
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:

@@ -54,6 +54,11 @@ def _prefill_launch(meta: AttentionMetadata, device: torch.device) -> PrefillLau
                          ints[3], max(p.end - p.start for p in ps))
 
 
+# --deterministic: decode splits of this many keys from each row's first key, whatever the batch
+# (kernels/triton/decode_attention.py).
+KEYS_PER_SPLIT = 256
+
+
 class TritonAttention(AttentionBackend):
     name = "triton"
     supports_cuda_graphs = True
@@ -63,7 +68,8 @@ class TritonAttention(AttentionBackend):
 
     def build_metadata(self, slices: list[SeqSlice], block_size: int,
                        window: int | None) -> TritonMetadata:
-        return self.on_device(AttentionMetadata.build(slices, block_size, window))
+        return self.on_device(AttentionMetadata.build(self.token_rows(slices), block_size,
+                                                      window))
 
     def on_device(self, base: AttentionMetadata) -> TritonMetadata:
         """`base` (host tensors, as every backend builds it) with the index tensors the kernels
@@ -87,14 +93,17 @@ class TritonAttention(AttentionBackend):
 
         if not meta.device_tables:  # built by another backend (a test, a tool)
             meta = self.on_device(meta)
+        split = KEYS_PER_SPLIT if self.row_invariant else None
         if meta.decode_rows is not None and meta.prefill_launch is None:
             return paged_decode_attention(q, k_cache, v_cache, meta.decode_tables,
-                                          meta.decode_lo_dev, meta.decode_hi_dev, scale)
+                                          meta.decode_lo_dev, meta.decode_hi_dev, scale,
+                                          keys_per_split=split)
         out = torch.empty_like(q)
         if meta.decode_rows is not None:
             rows = meta.decode_rows_dev
             out[rows] = paged_decode_attention(q[rows], k_cache, v_cache, meta.decode_tables,
-                                               meta.decode_lo_dev, meta.decode_hi_dev, scale)
+                                               meta.decode_lo_dev, meta.decode_hi_dev, scale,
+                                               keys_per_split=split)
         p = meta.prefill_launch
         if p is not None:
             prefill_attention(q, k_cache, v_cache, p.tables, p.q_start, p.q_len, p.q_pos0,

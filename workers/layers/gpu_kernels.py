@@ -27,6 +27,13 @@ def rope_store_kv(*args: torch.Tensor | None) -> None:
     kernel(*args)
 
 
+def linear_rows(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """--deterministic: a linear whose rows never depend on the batch (kernels/triton/matmul)."""
+    from deepinfer.kernels.triton.matmul import linear_rows as kernel
+
+    return kernel(x, w, bias)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     from deepinfer.kernels.triton.silu_mul import silu_and_mul as kernel
 

@@ -28,6 +28,7 @@ from torch import nn
 
 from deepinfer.kernels.cpu import linear as cpu_linear
 from deepinfer.kernels.cpu.decode_layer import EMPTY, LinearWeights
+from deepinfer.workers.layers import gpu_kernels
 from deepinfer.workers.layers.checkpoint_tensor import materialize
 from deepinfer.workers.quantization.fp8 import quantize_fp8_weight
 from deepinfer.workers.quantization.matmul import QuantizedMatmul, packed_bytes
@@ -154,6 +155,8 @@ class Linear(nn.Module):
             return cpu_linear.linear_small_m(x, self._w, self._b)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self._b, "none", [], "")
+        if self.row_invariant and x.is_cuda:  # (cuBLAS picks its sums' order by M)
+            return gpu_kernels.linear_rows(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
