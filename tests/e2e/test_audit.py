@@ -49,6 +49,7 @@ def hybrid(tmp_path_factory) -> Path:
                                               "sliding_attention", "full_attention"])
 
 
+@pytest.mark.slow  # (~15 s; the default run has the mixed workload under --deterministic)
 def test_nothing_broken_nothing_diverges_over_a_mixed_workload(tiny_model_dir, tmp_path):
     base = prompt(40, seed=1)
     with engine(tiny_model_dir, kv_disk_path=str(tmp_path)) as llm:
@@ -99,8 +100,9 @@ def corrupt_one_value(path: Path, delta: float = 8.0) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("deterministic,delta", [(False, 8.0), (True, 1e-3)],
-                         ids=["default", "deterministic_small_change"])
+@pytest.mark.parametrize("deterministic,delta", [
+    (False, 8.0), pytest.param(True, 1e-3, marks=pytest.mark.slow)],
+    ids=["default", "deterministic_small_change"])
 def test_a_disk_block_changed_with_a_matching_checksum_is_reported_under_prefix_disk(
         tiny_model_dir, tmp_path, deterministic, delta):
     """A large change moves logprobs past the default tolerance; under --deterministic (no

@@ -61,7 +61,8 @@ def test_the_row_invariant_model_is_still_the_model(tiny_model_dir, reference):
     assert float(hf_gaps(model, TARGET, tokens).max()) < TIE
 
 
-@pytest.mark.parametrize("chunk", [16, 64, 1024])
+@pytest.mark.parametrize("chunk", [pytest.param(16, marks=pytest.mark.slow), 64,
+                                   pytest.param(1024, marks=pytest.mark.slow)])
 def test_the_same_bits_in_any_batch_and_any_chunking(tiny_model_dir, reference, chunk):
     with engine(tiny_model_dir, enable_prefix_caching=False, prefill_chunk_size=chunk,
                 max_num_batched_tokens=max(chunk, 64)) as llm:
@@ -73,6 +74,7 @@ def test_the_same_bits_in_any_batch_and_any_chunking(tiny_model_dir, reference, 
                 assert exact(outs[where]) == ref, (size, chunk)
 
 
+@pytest.mark.slow  # (~17 s: two engines; the default run has the device tier in test_audit)
 def test_the_same_bits_after_prefix_hits_from_every_tier(tiny_model_dir, reference, tmp_path):
     # 60 blocks of 4 tokens: TARGET (38 blocks) is evicted to the host tier by other prompts.
     kw = dict(kv_disk_path=str(tmp_path), host_kv_cache_gb=0.05, num_kv_blocks=60,
