@@ -11,6 +11,10 @@ KV connector (tiers, transfers), no speculation, so its sliding windows are comp
 replayed. A live request arriving meanwhile ends the run (its work is dropped, the job starts
 again later): an audit never shares a step with, or holds memory from, live traffic.
 
+A re-run starts only after the server has had no live request for `idle_seconds` (a client
+sending requests one after another leaves gaps of a few milliseconds: a re-run started in each
+would be ended at once, having delayed the next request by a step for nothing).
+
 A run compares its tokens and logprobs with the original's: the first position where a token
 differs, or a logprob differs by more than the tolerance (0 with --deterministic: any bit), is a
 divergence, counted once under each shortcut the original took (`Request.shortcuts`: prefix
@@ -86,13 +90,15 @@ def compare(tokens: list[int], logprobs: list[float], ref_tokens: list[int],
 class Auditor:
     def __init__(self, rate: float, deterministic: bool = False,
                  server_shortcuts: tuple[str, ...] = (), tolerance: float | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, idle_seconds: float = 0.5) -> None:
         self.rate = rate
         self.deterministic = deterministic
         self.server_shortcuts = server_shortcuts  # KV dtype, quantization: every request's
         self.tolerance = (0.0 if deterministic else DEFAULT_TOLERANCE) if tolerance is None \
             else tolerance
         self._random = random.Random(seed)
+        self.idle_seconds = idle_seconds
+        self._idle_since: float | None = None  # no live request since then
         self._watched: dict[str, _Watched] = {}
         self.jobs: deque[AuditJob] = deque()
         self.run: tuple[AuditJob, Request] | None = None
@@ -168,6 +174,21 @@ class Auditor:
 
     def has_jobs(self) -> bool:
         return bool(self.jobs)
+
+    def idle(self, idle_now: bool, now: float) -> bool:
+        """Whether a re-run may run: the server has had no live request for idle_seconds."""
+        if not idle_now:
+            self._idle_since = None
+            return False
+        if self._idle_since is None:
+            self._idle_since = now
+        return now - self._idle_since >= self.idle_seconds
+
+    def next_start(self) -> float | None:
+        """When a waiting job may start (None: none waits, or one runs, or not idle)."""
+        if not self.jobs or self.run is not None or self._idle_since is None:
+            return None
+        return self._idle_since + self.idle_seconds
 
     def start(self, arrival: int, max_len: int, num_groups: int) -> Request | None:
         """The next job's cold run as a request (None: no job)."""

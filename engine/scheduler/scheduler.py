@@ -6,6 +6,7 @@ workers' sampled tokens. Tests drive it directly with a hand-made config.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -68,6 +69,7 @@ class SchedulerConfig:
     # cold, whether any difference is a bug (--deterministic), and the shortcuts every request
     # takes on this server (KV dtype, quantization) and a speculating step's (its method).
     audit_rate: float = 0.0
+    audit_idle_seconds: float = 0.5  # a re-run starts after the server was idle this long
     deterministic: bool = False
     audit_server_shortcuts: tuple[str, ...] = ()
     spec_shortcut: str = "spec"
@@ -113,7 +115,7 @@ class Scheduler:
             config.kv_dtype, config.vocab_size, config.disk_tier, config.tier_block_bytes)
         self.kv.attach(self.connectors)
         self.audit = Auditor(config.audit_rate, config.deterministic,
-                             config.audit_server_shortcuts)
+                             config.audit_server_shortcuts, idle_seconds=config.audit_idle_seconds)
         self.kv_events: KVEventLog | None = None
         if config.kv_events_identity is not None:
             self.kv_events = KVEventLog(config.kv_events_identity, config.block_size)
@@ -258,9 +260,11 @@ class Scheduler:
         return self._build_plan([]) if self.has_connector_work() else None
 
     def connector_deadline(self) -> float | None:
-        """When a connector next lets go of something that waited too long."""
-        return min((d for c in self.connectors if (d := c.next_deadline()) is not None),
-                   default=None)
+        """When a connector next lets go of something that waited too long, or an audit's
+        re-run may start (the loop wakes then to plan it)."""
+        deadlines = [d for c in self.connectors if (d := c.next_deadline()) is not None]
+        start = self.audit.next_start()
+        return min(deadlines + ([start] if start is not None else []), default=None)
 
     def expire(self) -> None:
         for connector in self.connectors:
@@ -293,12 +297,15 @@ class Scheduler:
 
     def _audit_turn(self) -> None:
         """An audit's cold re-run only while no live request exists: one that came ends it
-        (its job waits again); none left starts the next job (engine/scheduler/audit.py)."""
+        (its job waits again); once none was left for a while, the next job starts
+        (engine/scheduler/audit.py)."""
         run = self.audit.run[1] if self.audit.run is not None else None
         live = len(self.requests) - (run is not None)
         if run is not None and live:
             self._finish(run, FinishReason.ABORT)
-        elif run is None and not live and self.audit.has_jobs():
+        if not self.audit.idle(not live, time.monotonic()):
+            return
+        if run is None and self.audit.has_jobs():
             req = self.audit.start(self._arrivals, self.max_len, len(self.config.kv_groups))
             self._arrivals += 1
             self.requests[req.request_id] = req

@@ -53,6 +53,7 @@ class FakeModel:
 
 
 def make(rate: float = 1.0, **kw) -> Scheduler:
+    kw = {"audit_idle_seconds": 0.0, **kw}
     return Scheduler(SchedulerConfig(num_blocks=64, block_size=4, max_num_batched_tokens=64,
                                      prefill_chunk_size=16, eos_token_ids=(2,), audit_rate=rate,
                                      **kw))
@@ -176,3 +177,19 @@ def test_compare_finds_the_first_difference():
     first, gap = compare([1, 2], [-1.0, -2.0], [1, 2], [-1.0, -2.0 + 1e-6], 1e-3)
     assert first is None and gap == pytest.approx(1e-6)
     assert compare([1, 2], [-1.0, -2.0], [1, 2], [-1.0, -2.0 + 1e-6], 0.0)[0] == 1
+
+
+def test_a_rerun_waits_until_the_server_was_idle_for_a_while():
+    """A client sending requests back to back leaves gaps of milliseconds: no re-run starts in
+    them; the loop is woken when the idle time is up (connector_deadline)."""
+    import time
+
+    s, model = make(audit_idle_seconds=0.2), FakeModel()
+    add(s, "a", PROMPT)
+    drive(s, model)  # a finishes; the re-run waits
+    assert s.audit.run is None and len(s.audit.jobs) == 1
+    wake = s.connector_deadline()
+    assert wake is not None and 0.1 < wake - time.monotonic() <= 0.2
+    time.sleep(0.25)
+    drive(s, model)
+    assert s.audit.requests == 1
