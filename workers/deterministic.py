@@ -55,9 +55,10 @@ def make_row_invariant(model: nn.Module, backend: AttentionBackend) -> None:
     on_cpu = isinstance(backend, CpuAttention)
     slow = [name for name, m in linears if on_cpu and m.quant is None and not m.small_m]
     if quantized or slow:
+        bad = quantized + slow
         raise ModelConfigError(
             "--deterministic needs float32 weights the native small-M kernel takes, or a GPU's "
-            f"unquantized ones; these are not: {', '.join(quantized + slow)}")
+            f"unquantized ones; {len(bad)} linears are not, e.g. {', '.join(bad[:3])}")
     if on_cpu:
         cpu_attention.set_fixed_split(cpu_attention.FIXED_SPLIT_BLOCKS)
     backend.row_invariant = True
