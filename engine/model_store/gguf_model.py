@@ -25,7 +25,7 @@ from deepinfer.engine.model_store.errors import ModelPrepareError
 SOURCE_FILE = "gguf.json"  # {"path": the GGUF this directory stands for}
 # GGML types the workers serve (workers/quantization/gguf.py); checked when the sidecar is made,
 # so another one is reported before any process starts.
-SERVED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K"})
+SERVED_TYPES = frozenset({"F32", "F16", "BF16", "Q8_0", "Q6_K", "Q4_0", "Q4_1", "Q4_K", "Q5_K"})
 
 
 def unsupported_type(tensor: str, qtype: str) -> str:

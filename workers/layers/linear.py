@@ -118,8 +118,10 @@ class Linear(nn.Module):
             parts = [quantized]
         if not parts:
             return False
-        if len(parts) > 1 and len({(p.kind, p.group_size) for p in parts}) > 1:
-            # Parts quantized differently (a Q4_K_M GGUF's q|k|v): one product each.
+        if len(parts) > 1 and (len({(p.kind, p.group_size) for p in parts}) > 1
+                               or parts[0].ggml_type is not None):
+            # Parts quantized differently (a Q4_K_M GGUF's q|k|v), or K-quant blocks (views of
+            # the mapped file, not copied into one): one product each.
             self.quant = _ConcatMatmul([QuantizedMatmul(p, None, pack) for p in parts], self._b)
         else:
             self.quant = QuantizedMatmul(cat_rows(parts) if len(parts) > 1 else parts[0],
@@ -139,8 +141,8 @@ class Linear(nn.Module):
         """The weights as the one-call decode layer reads them; None when it cannot."""
         if self.quant is not None:
             q = self.quant
-            if not isinstance(q, QuantizedMatmul) or not q.native:
-                return None
+            if not isinstance(q, QuantizedMatmul) or not q.native or q.kquant is not None:
+                return None  # (K-quant blocks: the decode stack has no kernel for them)
             # (With FBGEMM opted in, more than 4 rows stay on the Python path that calls it.)
             return LinearWeights(q.weight.qweight, q.tiles, self._b, q.weight.scales, q.weight.mins,
                                  int_gemm=q.int_gemm and q.packed is None)

@@ -5,9 +5,10 @@ engine/model_store/gguf_weights.py (Q/K rows un-permuted for Llama, Gemma's norm
 Each supported block format maps onto a QuantizedWeight layout whose `dequantize` is bit for bit
 `gguf.dequantize` (same float32 products, and x - m is x + (-m)):
 - Q8_0: int8 in groups of 32, scale d;
-- Q6_K: int8 in groups of 16 (q - 32 fits), scale d * scale[i];
 - Q4_0 / Q4_1: 4-bit, scale d, min -8d / m; the 16 bytes of a block are already the q4 order;
-- Q4_K: 4-bit in groups of 32, scale d * sc[i], min -dmin * m[i]; nibbles repacked.
+- Q4_K, Q5_K, Q6_K: the super-blocks themselves (the k-quant layout), not copied: the tensor is
+  a view of the memory-mapped file (copy-on-write, never written), so its pages are the page
+  cache's and a warm start reads nothing.
 Any other type is refused by name (engine.model_store.gguf_model checks a file up front too).
 """
 
@@ -44,19 +45,6 @@ def _q8_0(blocks: np.ndarray) -> Parts:  # [rows, n, 34]: fp16 d, int8 q[32]
     return blocks[..., 2:].view(np.int8).reshape(rows, -1), _fp16(blocks[..., :2]), None
 
 
-def _q6_k(blocks: np.ndarray) -> Parts:  # [rows, n, 210]: ql[128], qh[64], int8 sc[16], fp16 d
-    rows, n = blocks.shape[:2]
-    # Per 128 elements: 64 ql bytes (low nibbles, then high ones) and 32 qh bytes (4 crumbs).
-    ql = blocks[..., :128].reshape(rows, n, 2, 1, 64) >> _NIBBLE_SHIFTS.reshape(2, 1)
-    qh = blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> _CRUMB_SHIFTS.reshape(4, 1)
-    ql = (ql & 0x0F).reshape(rows, n, 8, 32)
-    qh = (qh & 0x03).reshape(rows, n, 8, 32)
-    q = ((ql | (qh << 4)).astype(np.int8) - np.int8(32)).reshape(rows, -1)
-    sc = blocks[..., 192:208].view(np.int8).astype(np.float32)
-    scales = (_fp16(blocks[..., 208:])[..., None] * sc).reshape(rows, -1)
-    return q, scales, None
-
-
 def _q4_0(blocks: np.ndarray) -> Parts:  # [rows, n, 18]: fp16 d, 16 bytes of nibbles
     d = _fp16(blocks[..., :2])
     return blocks[..., 2:].reshape(blocks.shape[0], -1), d, np.float32(-8) * d
@@ -67,33 +55,11 @@ def _q4_1(blocks: np.ndarray) -> Parts:  # [rows, n, 20]: fp16 d, fp16 m, 16 byt
     return q, _fp16(blocks[..., :2]), _fp16(blocks[..., 2:4])
 
 
-def _q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """12 bytes -> 8 six-bit scales and 8 mins (llama.cpp get_scale_min_k4): bytes 0-3 hold
-    scales 0-3 and bytes 4-7 mins 0-3 in their low 6 bits; bytes 8-11 hold the low 4 bits of
-    scales / mins 4-7, whose top 2 bits are the top bits of bytes 0-3 / 4-7."""
-    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
-    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
-    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
-    return sc.astype(np.float32), mn.astype(np.float32)
-
-
-def _q4_k(blocks: np.ndarray) -> Parts:  # [rows, n, 144]: fp16 d, dmin, 12 scale bytes, qs[128]
-    rows, n = blocks.shape[:2]
-    sc, mn = _q4_k_scales(blocks[..., 4:16])
-    scales = (_fp16(blocks[..., :2])[..., None] * sc).reshape(rows, -1)
-    mins = -(_fp16(blocks[..., 2:4])[..., None] * mn).reshape(rows, -1)
-    # Per 64 elements, 32 bytes: low nibbles are elements 0..31, high nibbles 32..63. Split them
-    # into groups of 32 values, then pack each as q4 does: byte j = element j | element j+16.
-    qs = blocks[..., 16:].reshape(rows, n, 4, 1, 32) >> _NIBBLE_SHIFTS.reshape(2, 1)
-    groups = (qs & 0x0F).reshape(rows, n * 8, 32)
-    q = (groups[..., :16] | (groups[..., 16:] << 4)).reshape(rows, -1)
-    return q, scales, mins
-
-
 _DECODERS: dict[GGMLQuantizationType, Callable[[np.ndarray], Parts]] = {
-    Q.Q8_0: _q8_0, Q.Q6_K: _q6_k, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q4_K: _q4_k,
+    Q.Q8_0: _q8_0, Q.Q4_0: _q4_0, Q.Q4_1: _q4_1,
 }
-_FLOATS = {Q.F32, Q.F16, Q.BF16}  # with _DECODERS: gguf_model.SERVED_TYPES
+_KQUANTS = {Q.Q4_K, Q.Q5_K, Q.Q6_K}  # kept as stored (weight.py's KQUANTS)
+_FLOATS = {Q.F32, Q.F16, Q.BF16}  # with _DECODERS and _KQUANTS: gguf_model.SERVED_TYPES
 
 
 def _float(t: ReaderTensor, shape: tuple[int, ...]) -> np.ndarray:
@@ -114,6 +80,16 @@ def read_tensor(t: ReaderTensor, heads: int | None = None) -> torch.Tensor | Qua
     if t.tensor_type in _FLOATS:
         w = _float(t, shape)
         return _tensor(unpermute_heads(w, heads) if heads else w)
+    if t.tensor_type in _KQUANTS:
+        rows = np.asarray(t.data).reshape(math.prod(shape[:-1]), -1)  # a view of the map
+        if heads and len(shape) == 2:
+            rows = unpermute_heads(rows, heads)
+        rows = np.require(rows, requirements=["C", "W"])  # a copy only from a read-only map
+        weight = QuantizedWeight(torch.from_numpy(rows), None, None, int(t.tensor_type))
+        if len(shape) == 2:
+            return weight
+        w = weight.dequantize().reshape(shape).numpy()
+        return _tensor(unpermute_heads(w, heads) if heads else w)
     if t.tensor_type not in _DECODERS:
         raise ModelPrepareError(unsupported_type(t.name, t.tensor_type.name))
     # t.data is uint8 [*shape[:-1], bytes per row], each row whole blocks.
@@ -132,9 +108,9 @@ def read_tensor(t: ReaderTensor, heads: int | None = None) -> torch.Tensor | Qua
 
 
 def gguf_weights(gguf_path: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
-    """Every weight of the GGUF as (HF name, tensor), one at a time (the file is memory-mapped;
-    nothing is kept between tensors)."""
-    reader = GGUFReader(gguf_path)
+    """Every weight of the GGUF as (HF name, tensor), one at a time (the file is memory-mapped
+    copy-on-write: K-quant tensors stay views of it; nothing else is kept between tensors)."""
+    reader = GGUFReader(gguf_path, "c")
     meta = read_metadata(reader)
     arch = meta["general.architecture"]
     config = model_config(meta, {t.name for t in reader.tensors})  # also refuses unknown archs

@@ -11,8 +11,11 @@
   floats); kept once made (`pack`, the default: +1.125x an int8 weight's bytes, +2.5x a 4-bit
   one's; 64 rows of the default model's linears 76 -> 65 ms int8, 54 -> 47 ms 4-bit), else
   made per call.
-- More rows, other layouts (fp8, Q6_K's groups of 16): dequantized tiles and a float32 GEMM,
-  natively, activations as they are.
+- More rows, other layouts (fp8): dequantized tiles and a float32 GEMM, natively, activations
+  as they are.
+- K-quants (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored): kernels/cpu/kquant_linear.py, the
+  streaming kernel up to its SMALL_M rows (16: an 8-stream decode step reads the weight once),
+  dequantized tiles and a float32 GEMM above.
 - More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
   u8 x s8 GEMM (`quantized::linear_dynamic`) instead, activations quantized per token to 7 bits
   (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the integer GEMM (7 bits
@@ -29,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine import envs
+from deepinfer.kernels.cpu import kquant_linear
 from deepinfer.kernels.cpu import quant_linear as native
 from deepinfer.workers.quantization.weight import QuantizedWeight
 
@@ -51,7 +55,8 @@ def _fbgemm_pack(weight: QuantizedWeight):
 def int_gemm_takes(weight: QuantizedWeight) -> bool:
     """True for the weights the native integer GEMM multiplies: int8 in groups of a multiple of
     32 elements (per channel, Q8_0), and 4-bit."""
-    return weight.kind in ("int8", "q4") and weight.group_size % 32 == 0
+    return (weight.ggml_type is None and weight.kind in ("int8", "q4")
+            and weight.group_size % 32 == 0)
 
 
 def packed_bytes(weight: QuantizedWeight) -> int:
@@ -68,6 +73,12 @@ class QuantizedMatmul:
                  pack: bool = True) -> None:
         self.weight = weight.contiguous()
         self.bias = bias
+        self.kquant = weight.ggml_type
+        self.packed = self.tiles = None
+        self.int_gemm = False
+        if self.kquant is not None:  # K-quant blocks: their own kernels, no packed copy
+            self.native = weight.qweight.device.type == "cpu" and kquant_linear.available()
+            return
         self.native = weight.qweight.device.type == "cpu" and native.available(
             torch.empty(1, weight.shape[1]))
         if self.native:  # shapes the kernels refuse (an odd K, groups they cannot take)
@@ -92,6 +103,10 @@ class QuantizedMatmul:
         if not self.native or x.dtype != torch.float32:
             return F.linear(x, w.dequantize(x.dtype), self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if self.kquant is not None:
+            if rows <= kquant_linear.SMALL_M:
+                return kquant_linear.kquant_linear(x, w.qweight, self.kquant, self.bias)
+            return kquant_linear.kquant_dequant_linear(x, w.qweight, self.kquant, self.bias)
         if rows <= SMALL_M:
             return native.quant_linear_small_m(x, w.qweight, w.scales, w.mins, self.bias)
         if self.packed is not None:

@@ -26,10 +26,10 @@ from tests.engine.model_store import tiny_gguf
 
 ROWS, COLS = 8, 512  # two K-quant super-blocks per row
 # type -> (QuantizedWeight kind, group size); None: read as a float32 tensor
-LAYOUT = {Q.F32: None, Q.F16: None, Q.BF16: None, Q.Q8_0: ("int8", 32), Q.Q6_K: ("int8", 16),
-          Q.Q4_0: ("q4", 32), Q.Q4_1: ("q4", 32), Q.Q4_K: ("q4", 32)}
-# Where a K-quant block keeps its fp16 factors (d, and dmin for Q4_K).
-_FP16_OFFSETS = {Q.Q4_K: (0, 2), Q.Q6_K: (208,)}
+LAYOUT = {Q.F32: None, Q.F16: None, Q.BF16: None, Q.Q8_0: ("int8", 32), Q.Q6_K: ("q6_k", 256),
+          Q.Q4_0: ("q4", 32), Q.Q4_1: ("q4", 32), Q.Q4_K: ("q4_k", 256), Q.Q5_K: ("q5_k", 256)}
+# Where a K-quant block keeps its fp16 factors (d, and dmin for Q4_K / Q5_K).
+_FP16_OFFSETS = {Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 
 
 def _k_quant_bytes(qtype: Q, rows: int, rng: np.random.Generator) -> np.ndarray:
@@ -67,7 +67,8 @@ def _reference(t) -> np.ndarray:
 
 
 def test_decoders_cover_the_served_types():
-    assert {t.name for t in gguf_quant._DECODERS.keys() | gguf_quant._FLOATS} == SERVED_TYPES
+    served = gguf_quant._DECODERS.keys() | gguf_quant._FLOATS | gguf_quant._KQUANTS
+    assert {t.name for t in served} == SERVED_TYPES
     assert {t.name for t in LAYOUT} == SERVED_TYPES
 
 
@@ -88,7 +89,7 @@ def test_each_type_dequantizes_exactly_as_gguf(tmp_path, qtype):
     np.testing.assert_array_equal(w.dequantize().numpy(), expected)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q4_K],
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q6_K, Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_K],
                          ids=lambda q: q.name)
 def test_permuted_rows_move_with_their_scales_and_mins(tmp_path, qtype):
     rng = np.random.default_rng(1)
@@ -98,12 +99,21 @@ def test_permuted_rows_move_with_their_scales_and_mins(tmp_path, qtype):
     np.testing.assert_array_equal(w.dequantize().numpy(), unpermute_heads(_reference(t), 2))
 
 
-def test_a_quantized_vector_is_read_as_floats(tmp_path):
-    data = gguf.quants.quantize(np.linspace(-1, 1, 64, dtype=np.float32), Q.Q8_0)
-    (t,) = _write(tmp_path / "t.gguf", {"b.bias": (data, Q.Q8_0)}).tensors
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q5_K, Q.Q6_K], ids=lambda q: q.name)
+def test_k_quants_stay_views_of_the_mapped_file(tmp_path, qtype):
+    """Served as stored: the weight's bytes are the file's pages (no copy at load) when the
+    file is mapped copy-on-write as gguf_weights maps it, so no write reaches the file."""
+    rng = np.random.default_rng(3)
+    path = tmp_path / "t.gguf"
+    _write(path, {"w.weight": (_stored(qtype, ROWS, rng), qtype)})
+    before = path.read_bytes()
+    reader = GGUFReader(str(path), "c")  # as gguf_weights opens a file
+    (t,) = reader.tensors
     w = read_tensor(t)
-    assert isinstance(w, torch.Tensor) and w.shape == (64,)
-    np.testing.assert_array_equal(w.numpy(), _reference(t))
+    assert w.ggml_type == int(qtype) and w.qweight.data_ptr() == t.data.ctypes.data
+    np.testing.assert_array_equal(w.dequantize().numpy(), _reference(t))
+    w.qweight[0, 0] ^= 0xFF  # a stray write stays in this process (copy-on-write)
+    assert path.read_bytes() == before
 
 
 def _all(kind: Q, norms: Q = Q.F32):
@@ -161,5 +171,5 @@ def test_gemma3_norms_lose_their_shift(tmp_path):
 def test_an_unsupported_type_is_refused_by_name(tmp_path):
     path = tmp_path / "tiny.gguf"
     tiny_gguf.write_tiny_gguf(path, qtype=lambda n: Q.Q5_0 if "q_proj" in n else Q.F32)
-    with pytest.raises(ModelPrepareError, match=r"'blk\.0\.attn_q\.weight' is Q5_0.*Q4_K"):
+    with pytest.raises(ModelPrepareError, match=r"'blk\.0\.attn_q\.weight' is Q5_0.*Q5_K"):
         list(gguf_weights(str(path)))

@@ -1,0 +1,46 @@
+"""Linear layers on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) as the file stores them, on CPU:
+native kernels (csrc/kquant_linear.cpp).
+
+- `kquant_linear`: decode batches (up to SMALL_M rows), bound by reading the weight: the
+  super-blocks stream once for all rows, activations meet them as int8 per block of 32.
+- `kquant_dequant_linear`: any M, through dequantized tiles and a float32 GEMM (prefill).
+- `kquant_dequantize`: the float32 rows (embedding lookups, the reference's weight).
+
+`blocks` is uint8 [N, K / 256 * block bytes] (workers/quantization/weight.py's "k-quant"
+layout); `ggml_type` llama.cpp's type id. Call `available` first; it never raises.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.kernels.cpu.native import NativeOp
+
+_OP = NativeOp("kquant_linear", "kquant_linear.cpp", "kquant_linear")
+SMALL_M = 16  # the rows kquant_linear takes; more go through dequantized tiles
+
+
+def available(*tensors: torch.Tensor) -> bool:
+    """True when the kernels are built (building them on first call) and take these tensors."""
+    return _OP.available(*tensors)
+
+
+def build_error() -> str | None:
+    return _OP.error
+
+
+def kquant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
+                  bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N], reading the blocks once for all rows."""
+    return _OP(x, blocks, ggml_type, bias)
+
+
+def kquant_dequant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
+                          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The same product for any M, through dequantized tiles and a GEMM."""
+    return _OP.sibling("kquant_dequant_linear")(x, blocks, ggml_type, bias)
+
+
+def kquant_dequantize(blocks: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
+    """The float32 [N, cols] weight the blocks stand for."""
+    return _OP.sibling("kquant_dequantize")(blocks, ggml_type, cols)
