@@ -27,7 +27,7 @@ __all__ = ["EngineConfig", "ModelConfig", "ModelConfigError", "FULL", "SLIDING",
            "KVEventsConfig", "offset_endpoint"]
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-SPECULATIVE_METHODS = ("ngram", "draft", "mtp")
+SPECULATIVE_METHODS = ("ngram", "draft", "mtp", "dspark")
 DISAGGREGATION_MODES = ("none", "prefill", "decode")
 KV_TRANSFER_BACKENDS = ("zmq", "nixl")
 # --dtype: the model's weights and activations (workers/loader.py maps them to torch dtypes).
@@ -207,14 +207,20 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         "stores them (a GGUF keeps its types)", QUANTIZATIONS)] = None
     speculative_method: Annotated[str | None, setting(
         "speculative decoding: ngram (prompt lookup), draft (a smaller model, "
-        "--speculative-model) or mtp (the model's multi-token heads); default off",
+        "--speculative-model), mtp (the model's multi-token heads) or dspark (a DSpark "
+        "drafter, --speculative-model); default off",
         SPECULATIVE_METHODS)] = None
     num_speculative_tokens: Annotated[int, setting(
         f"draft tokens per step, 1 to {MAX_SPECULATIVE_TOKENS} (default 3: a batch-1 verify is "
         "4 rows)")] = 3
     speculative_model: Annotated[str | None, setting(
         "draft model (a directory, or a named model like --model) sharing the model's "
-        "tokenizer; only with --speculative-method draft")] = None
+        "tokenizer; only with --speculative-method draft, or a DSpark drafter's directory "
+        "with dspark")] = None
+    speculative_confidence_threshold: Annotated[float | None, setting(
+        "dspark: verify the longest draft prefix whose estimated acceptance (the confidence "
+        "head's) is at least this (0: every draft slot; default: the drafter's config, else "
+        "0.5)", at_least=0)] = None
     ngram_min: Annotated[int, setting(
         "ngram: shortest n-gram looked up in the request's tokens (default 2)", at_least=1)] = 2
     ngram_max: Annotated[int, setting("ngram: longest n-gram looked up (default 4)")] = 4
@@ -327,11 +333,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                  f"got {k}")
         _require(self.ngram_min <= self.ngram_max,
                  f"--ngram-min ({self.ngram_min}) must not exceed --ngram-max ({self.ngram_max})")
-        _require(method != "draft" or bool(self.speculative_model),
-                 "--speculative-method draft needs --speculative-model (the draft model's "
+        _require(method not in ("draft", "dspark") or bool(self.speculative_model),
+                 f"--speculative-method {method} needs --speculative-model (the draft model's "
                  "directory)")
-        _require(method == "draft" or self.speculative_model is None,
-                 "--speculative-model is only used with --speculative-method draft")
+        _require(method in ("draft", "dspark") or self.speculative_model is None,
+                 "--speculative-model is only used with --speculative-method draft or dspark")
+        threshold = self.speculative_confidence_threshold
+        _require(threshold is None or (method == "dspark" and threshold <= 1),
+                 "--speculative-confidence-threshold is a probability for --speculative-method "
+                 "dspark")
 
     def check_quantization(self) -> None:
         _require(self.quantization in (None, "none") or self.dtype == "float32",
@@ -367,7 +377,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         out = []
         if self.quantization in ("int8", "fp8"):
             out.append(f"--quantization {self.quantization} runs on CPU workers only so far")
-        if self.speculative_method in ("draft", "mtp"):
+        if self.speculative_method in ("draft", "mtp", "dspark"):
             out.append(f"--speculative-method {self.speculative_method} runs on CPU workers "
                        "only so far (ngram works on either)")
         if self.disaggregation_mode != "none":

@@ -13,6 +13,7 @@ and two servers writing one block leave either one of two equal files.
 
 from __future__ import annotations
 
+import json
 import os
 import stat
 import struct
@@ -52,7 +53,18 @@ def block_payloads(cfg: EngineConfig) -> tuple[int, int]:
         full_bytes += draft.kv_bytes_per_block()  # every layer full (checked at its load)
     elif cfg.speculative_method == "mtp":  # one layer shaped as the first, in --dtype
         full_bytes += msgspec.structs.replace(cfg, kv_cache_dtype="auto").kv_bytes_per_block([0])
+    elif cfg.speculative_method == "dspark" and cfg.speculative_model:
+        full_bytes += dspark_bytes_per_block(cfg)
     return full_bytes, cfg.kv_bytes_per_block(sliding) if sliding else 0
+
+
+def dspark_bytes_per_block(cfg: EngineConfig) -> int:
+    """A DSpark drafter's K and V of every draft layer, in --dtype (its config.json)."""
+    raw = json.loads((Path(cfg.speculative_model) / "config.json").read_text())
+    heads = raw["num_attention_heads"]
+    head_dim = raw.get("head_dim") or raw["hidden_size"] // heads
+    per_token = 2 * raw["num_hidden_layers"] * (raw.get("num_key_value_heads") or heads) * head_dim
+    return per_token * cfg.block_size * {"float32": 4, "float16": 2, "bfloat16": 2}[cfg.dtype]
 
 
 class DamagedBlock(Exception):

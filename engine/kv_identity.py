@@ -127,6 +127,8 @@ def kv_block_identity(cfg: EngineConfig) -> bytes:
     elif cfg.speculative_method == "draft" and cfg.speculative_model:
         draft = msgspec.structs.replace(cfg, model=cfg.speculative_model).resolved_model_dir()
         model += f":draft={model_fingerprint(os.path.realpath(draft))}"
+    elif cfg.speculative_method == "dspark" and cfg.speculative_model:
+        model += f":dspark={model_fingerprint(os.path.realpath(cfg.speculative_model))}"
     return identity_key(model, cfg.dtype, cfg.kv_dtype(), cfg.block_size,
                         f"tp{cfg.tensor_parallel_size}")
 

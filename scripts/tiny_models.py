@@ -192,3 +192,71 @@ def v4_mtp_tensors(model_dir: Path, seed: int = 1) -> dict:
 
 
 PREFIX_MTP = "mtp.0."
+
+
+def add_dspark_weights(target_dir: Path, out_dir: Path, seed: int = 2, block_size: int = 4,
+                       num_layers: int = 2, layer_ids: list[int] | None = None) -> Path:
+    """A tiny random DSpark drafter (DeepSpec's layout: workers/spec_decode/dspark_model.py)
+    for a tiny target: Qwen3-style draft layers of the target's width over its chosen layers
+    (default: the first and the one before the last; a DeepSeek-V4 layer's residual streams
+    flattened), the target's embedding and head copied in, a rank-16 vanilla Markov head and a
+    confidence head reading it. The mask token is the vocabulary's last id."""
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    target_dir, out_dir = Path(target_dir), Path(out_dir)
+    raw = json.loads((target_dir / "config.json").read_text())
+    n, hidden, vocab = raw["num_hidden_layers"], raw["hidden_size"], raw["vocab_size"]
+    streams = raw.get("hc_mult", 1) if raw.get("model_type") == "deepseek_v4" else 1
+    layer_ids = layer_ids if layer_ids is not None else [0, n - 2]
+    heads, kv_heads, head_dim, inter, rank = 4, 2, 16, 96, 16
+    cfg = dict(architectures=["Qwen3DSparkModel"], model_type="qwen3", hidden_size=hidden,
+               num_hidden_layers=num_layers, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, head_dim=head_dim, intermediate_size=inter,
+               rms_norm_eps=1e-6, rope_theta=10000.0, vocab_size=vocab,
+               max_position_embeddings=raw.get("max_position_embeddings", 4096),
+               attention_bias=False, block_size=block_size, mask_token_id=vocab - 1,
+               target_layer_ids=layer_ids, num_anchors=512, markov_rank=rank,
+               markov_head_type="vanilla", enable_confidence_head=True,
+               confidence_head_with_markov=True)
+    target = {}
+    for path in target_dir.glob("*.safetensors"):
+        target.update(load_file(str(path)))
+    embed = target["model.embed_tokens.weight"]
+    head = target.get("head.weight", target.get("lm_head.weight", embed))
+    torch.manual_seed(seed)
+
+    def w(*shape: int, scale: float = 0.2) -> torch.Tensor:
+        return scale * torch.randn(*shape)
+
+    def norm(dim: int) -> torch.Tensor:
+        return 1.0 + 0.02 * torch.randn(dim)
+
+    tensors = {"embed_tokens.weight": embed.clone(), "lm_head.weight": head.clone(),
+               "fc.weight": w(hidden, len(layer_ids) * streams * hidden, scale=0.1),
+               "hidden_norm.weight": norm(hidden), "norm.weight": norm(hidden),
+               "markov_head.markov_w1.weight": w(vocab, rank, scale=1.0),
+               "markov_head.markov_w2.weight": w(vocab, rank, scale=0.5),
+               "confidence_head.proj.weight": w(1, hidden + rank, scale=1.0),
+               "confidence_head.proj.bias": torch.tensor([1.0])}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        tensors.update({
+            p + "self_attn.q_proj.weight": w(heads * head_dim, hidden),
+            p + "self_attn.k_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.v_proj.weight": w(kv_heads * head_dim, hidden),
+            p + "self_attn.o_proj.weight": w(hidden, heads * head_dim),
+            p + "self_attn.q_norm.weight": norm(head_dim),
+            p + "self_attn.k_norm.weight": norm(head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden),
+            p + "mlp.up_proj.weight": w(inter, hidden),
+            p + "mlp.down_proj.weight": w(hidden, inter),
+            p + "input_layernorm.weight": norm(hidden),
+            p + "post_attention_layernorm.weight": norm(hidden)})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    save_file({k: v.float().contiguous() for k, v in tensors.items()},
+              str(out_dir / "model.safetensors"))
+    return out_dir

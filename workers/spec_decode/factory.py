@@ -37,4 +37,10 @@ def build_proposer(config: EngineConfig, sampler: Sampler, target: nn.Module | N
                                  config.block_size, config.cpu_linear_weights, sampler, target)
         return MtpProposer(config.resolved_model_dir(), config.dtype, config.kv_blocks(),
                            config.block_size, config.cpu_linear_weights, sampler)
+    if method == "dspark":
+        from deepinfer.workers.spec_decode.dspark import DSparkProposer
+
+        return DSparkProposer(config.speculative_model, config.resolved_model_dir(),
+                              config.dtype, config.kv_blocks(), config.block_size, sampler,
+                              target, config.speculative_confidence_threshold)
     raise ModelConfigError(f"unknown speculative method {method!r}")
