@@ -104,9 +104,10 @@ def corrupt_one_value(path: Path, delta: float = 8.0) -> None:
     (False, 8.0), pytest.param(True, 1e-3, marks=pytest.mark.slow)],
     ids=["default", "deterministic_small_change"])
 def test_a_disk_block_changed_with_a_matching_checksum_is_reported_under_prefix_disk(
-        tiny_model_dir, tmp_path, deterministic, delta):
+        tiny_model_dir, tmp_path, deterministic, delta, capfd):
     """A large change moves logprobs past the default tolerance; under --deterministic (no
-    tolerance) a change of 1e-3 in one value is enough."""
+    tolerance) a change of 1e-3 in one value is enough, and the scheduler logs it as an
+    error (a bug), else as a warning."""
     base = prompt(40, seed=1)
     with LLM(str(tiny_model_dir), num_kv_blocks=200, block_size=4,
              kv_disk_path=str(tmp_path), deterministic=deterministic) as llm:
@@ -122,6 +123,8 @@ def test_a_disk_block_changed_with_a_matching_checksum_is_reported_under_prefix_
     assert stats.audit_divergences == {"prefix_disk": 1}
     (found,) = stats.audit_latest
     assert found.shortcuts == ["prefix_disk"] and found.max_logprob_diff > 0.0
+    level = "ERROR" if deterministic else "WARNING"
+    assert f"scheduler {level} audit: request {found.request_id} diverged" in capfd.readouterr().err
 
 
 @pytest.mark.parametrize("snapshots", [True, False], ids=["restored", "not_restored"])
