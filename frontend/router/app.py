@@ -339,6 +339,39 @@ class Router:
                                     media_type=resp.headers.get("content-type"))
         return error(503, "no healthy replica")
 
+    async def audit(self, request: Request) -> Response:
+        """GET /v1/audit: the exactness audit of every healthy replica, added up (each replica
+        audits its own requests); each of the latest divergences names its replica. A replica
+        that refuses (its key) answers for all; one that cannot be reached is left out."""
+        if not _authorized(self.api_key, request):
+            return JSONResponse(UNAUTHORIZED, status_code=401)
+        headers = forward_headers(request)
+
+        async def one(r: Replica) -> tuple[int, bytes] | None:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with self.session.get(f"{r.url}/v1/audit", headers=headers) as resp:
+                    return resp.status, await resp.read()
+            return None
+
+        healthy = [r for r in self.replicas if r.healthy]
+        merged = {"requests": 0, "pending": 0, "divergences": {}, "max_logprob_diff": 0.0,
+                  "latest": []}
+        for r, answer in zip(healthy, await asyncio.gather(*(one(r) for r in healthy))):
+            if answer is None:
+                continue
+            status, body = answer
+            if status != 200:
+                return Response(body, status, media_type="application/json")
+            part = json.loads(body)
+            merged["requests"] += part["requests"]
+            merged["pending"] += part["pending"]
+            for shortcut, count in part["divergences"].items():
+                merged["divergences"][shortcut] = merged["divergences"].get(shortcut, 0) + count
+            merged["max_logprob_diff"] = max(merged["max_logprob_diff"],
+                                             part["max_logprob_diff"])
+            merged["latest"] += [{**d, "replica": r.url} for d in part["latest"]]
+        return JSONResponse(merged)
+
     async def every_replica(self, request: Request) -> Response:
         """POST /v1/load_lora_adapter and /v1/unload_lora_adapter: the same change on every
         replica, so that any of them can serve the adapter. Every replica's answer 2xx: the
@@ -411,6 +444,7 @@ def build_router_app(router: Router, origins: OriginPolicy | None = None) -> Sta
         Route("/v1/models", router.any_replica, methods=["GET"]),
         Route("/version", router.any_replica, methods=["GET"]),
         Route("/openapi.json", router.any_replica, methods=["GET"]),
+        Route("/v1/audit", router.audit, methods=["GET"]),
         Route("/v1/load_lora_adapter", router.every_replica, methods=["POST"]),
         Route("/v1/unload_lora_adapter", router.every_replica, methods=["POST"]),
         Route("/health", router.health, methods=["GET"]),
