@@ -3,7 +3,9 @@ a GGUF's sidecar directory (engine/model_store/gguf_model.py), its weights read 
 
 Quantized checkpoint weights (a GGUF's blocks, an fp8 checkpoint's `weight` + `weight_scale_inv`)
 reach the layers that keep them quantized (linears, the vocabulary embedding) as they are, and
-any other layer dequantized; `quantization` then settles each linear's final form."""
+any other layer dequantized; `quantization` then settles each linear's final form. A bf16
+checkpoint's matrices under a float32 model on CPU reach them the same way, as bf16 weights (read
+as stored: half the memory and the bytes a decode step reads, the same values)."""
 
 from __future__ import annotations
 
@@ -50,7 +52,9 @@ def load_model(model_dir: str, dtype: str = "float32", weight_copies: str = "aut
     torch_dtype = DTYPES[dtype]
     with torch.device("cpu"):
         model = cls(cfg, attention or select_backend("cpu", torch_dtype))
-    load_weights(model, model_dir, cfg)
+    on_cpu = device is None or device.type == "cpu"
+    load_weights(model, model_dir, cfg, keep_bf16=on_cpu and torch_dtype == torch.float32
+                 and quantization is None)
     for module in model.modules():  # checkpoint conventions folded in, in float32
         if hasattr(module, "after_load"):
             module.after_load()
@@ -112,7 +116,10 @@ def checkpoint_tensors(model_dir: str, cfg: ModelConfig
                 yield name, LazyTensor(sliced, tuple(sliced.get_shape()))
 
 
-def load_weights(model: nn.Module, model_dir: str, cfg: ModelConfig | None = None) -> None:
+def load_weights(model: nn.Module, model_dir: str, cfg: ModelConfig | None = None,
+                 keep_bf16: bool = False) -> None:
+    """`keep_bf16`: bf16 matrices go to the layers that keep weights as stored (linears, the
+    vocabulary embedding) in bf16, not widened."""
     params = dict(model.named_parameters())
     modules = dict(model.named_modules())
     loaded: set[str] = set()
@@ -121,7 +128,7 @@ def load_weights(model: nn.Module, model_dir: str, cfg: ModelConfig | None = Non
     for name, tensor in checkpoint_tensors(model_dir, cfg):
         if "rotary_emb.inv_freq" in name or (skips is not None and skips(name)):
             continue
-        loaded.add(_load_one(model, params, modules, name, tensor))
+        loaded.add(_load_one(model, params, modules, name, tensor, keep_bf16))
     if getattr(model, "tie_word_embeddings", False):
         model.tie_weights()
         loaded.add("lm_head.weight")
@@ -130,7 +137,16 @@ def load_weights(model: nn.Module, model_dir: str, cfg: ModelConfig | None = Non
         raise ValueError(f"checkpoint lacks weights for: {sorted(missing)[:8]}")
 
 
-def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
+def _as_stored_bf16(tensor, name: str, keep_bf16: bool):
+    """A bf16 checkpoint matrix as a bf16 QuantizedWeight (read now), else the tensor as it is."""
+    if (keep_bf16 and isinstance(tensor, LazyTensor) and tensor.is_bfloat16
+            and len(tensor.shape) == 2 and name.endswith(".weight")):
+        return QuantizedWeight(tensor.read().contiguous(), None)
+    return tensor
+
+
+def _load_one(model, params, modules, name: str, tensor: LazyTensor,
+              keep_bf16: bool = False) -> str:
     rename = getattr(model, "rename_weight", None)  # a model whose checkpoints name it their way
     if rename is not None:
         name = rename(name)
@@ -149,7 +165,8 @@ def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
             module_name, _, kind = target.rpartition(".")
             module = modules[module_name]
             assert isinstance(module, MergedLinear)
-            module.load_part(part, tensor, is_bias=kind == "bias")
+            module.load_part(part, _as_stored_bf16(tensor, target, keep_bf16),
+                             is_bias=kind == "bias")
             return target
     if name not in params:
         if name == "lm_head.weight" and getattr(model, "tie_word_embeddings", False):
@@ -162,6 +179,8 @@ def _load_one(model, params, modules, name: str, tensor: LazyTensor) -> str:
     if param.shape != tensor.shape:
         raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != {tuple(param.shape)}")
     owner = modules[name.rpartition(".")[0]]
+    if hasattr(owner, "load_quantized"):
+        tensor = _as_stored_bf16(tensor, name, keep_bf16)
     if (isinstance(tensor, QuantizedWeight) and name.endswith(".weight")
             and hasattr(owner, "load_quantized")):
         owner.load_quantized(tensor)

@@ -43,6 +43,7 @@ def _threads(ctx: ChildContext) -> int:
 def main(ctx: ChildContext) -> None:
     from deepinfer.workers.device import resolve_device
     from deepinfer.workers.distributed.parallel_state import init_tensor_parallel
+    from deepinfer.workers.memory_report import memory_line
     from deepinfer.workers.model_runner import ModelRunner
 
     torch.set_num_threads(_threads(ctx))
@@ -74,6 +75,7 @@ def main(ctx: ChildContext) -> None:
         info |= connector.ready_info()
     log.info("rank %d ready on %s: %d KV blocks (%s), %d threads", ctx.rank, device,
              runner.num_blocks, ctx.config.kv_dtype(), torch.get_num_threads())
+    log.info("rank %d %s", ctx.rank, memory_line(runner.model, runner.kv_caches))
     ctx.ready(**info)
     send_lock = threading.Lock()  # grammar answers come from the compile threads
 

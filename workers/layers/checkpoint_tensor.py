@@ -32,6 +32,11 @@ class LazyTensor:
         index[dim] = slice(base + start, base + start + length)
         return LazyTensor(self._source, self._full, tuple(index))
 
+    @property
+    def is_bfloat16(self) -> bool:
+        """Stored as bfloat16 (a safetensors slice names its dtype)."""
+        return getattr(self._source, "get_dtype", lambda: "")() == "BF16"
+
     def read(self) -> torch.Tensor:
         return self._source[self._index]
 

@@ -141,8 +141,8 @@ class Linear(nn.Module):
         """The weights as the one-call decode layer reads them; None when it cannot."""
         if self.quant is not None:
             q = self.quant
-            if not isinstance(q, QuantizedMatmul) or not q.native or q.kquant is not None:
-                return None  # (K-quant blocks: the decode stack has no kernel for them)
+            if not isinstance(q, QuantizedMatmul) or not q.native or q.weight.scales is None:
+                return None  # (K-quant blocks, bf16: the decode stack has no kernel for them)
             # (With FBGEMM opted in, more than 4 rows stay on the Python path that calls it.)
             return LinearWeights(q.weight.qweight, q.tiles, self._b, q.weight.scales, q.weight.mins,
                                  int_gemm=q.int_gemm and q.packed is None)

@@ -19,11 +19,11 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, ReaderTensor
 
 from deepinfer.engine.model_store.errors import ModelPrepareError
 from deepinfer.engine.model_store.gguf_config import model_config
-from deepinfer.engine.model_store.gguf_metadata import read_metadata
+from deepinfer.engine.model_store.gguf_index import read_index
 from deepinfer.engine.model_store.gguf_model import unsupported_type
 from deepinfer.engine.model_store.gguf_weights import _SKIPPED, LAYOUTS, hf_name, unpermute_heads
 from deepinfer.workers.quantization.weight import QuantizedWeight
@@ -109,13 +109,14 @@ def read_tensor(t: ReaderTensor, heads: int | None = None) -> torch.Tensor | Qua
 
 def gguf_weights(gguf_path: str) -> Iterator[tuple[str, torch.Tensor | QuantizedWeight]]:
     """Every weight of the GGUF as (HF name, tensor), one at a time (the file is memory-mapped
-    copy-on-write: K-quant tensors stay views of it; nothing else is kept between tensors)."""
-    reader = GGUFReader(gguf_path, "c")
-    meta = read_metadata(reader)
+    copy-on-write by gguf_index: K-quant tensors stay views of it; nothing else is kept between
+    tensors)."""
+    index = read_index(gguf_path)
+    meta = index.metadata
     arch = meta["general.architecture"]
-    config = model_config(meta, {t.name for t in reader.tensors})  # also refuses unknown archs
+    config = model_config(meta, {t.name for t in index.tensors})  # also refuses unknown archs
     layout = LAYOUTS[arch]
-    for t in reader.tensors:
+    for t in index.tensors:
         if t.name in _SKIPPED:
             continue
         name = hf_name(t.name, layout)

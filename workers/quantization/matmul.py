@@ -16,6 +16,9 @@
 - K-quants (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored): kernels/cpu/kquant_linear.py, the
   streaming kernel up to its SMALL_M rows (16: an 8-stream decode step reads the weight once),
   dequantized tiles and a float32 GEMM above.
+- bf16 (a bf16 checkpoint's weights under a float32 model): kernels/cpu/bf16_linear.py, the
+  AVX512-BF16 streaming kernel up to 16 rows, oneDNN's bf16 GEMM above; activations rounded to
+  bf16 in both.
 - More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
   u8 x s8 GEMM (`quantized::linear_dynamic`) instead, activations quantized per token to 7 bits
   (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the integer GEMM (7 bits
@@ -32,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from deepinfer.engine import envs
-from deepinfer.kernels.cpu import kquant_linear
+from deepinfer.kernels.cpu import bf16_linear, kquant_linear
 from deepinfer.kernels.cpu import quant_linear as native
 from deepinfer.workers.quantization.weight import QuantizedWeight
 
@@ -79,6 +82,9 @@ class QuantizedMatmul:
         if self.kquant is not None:  # K-quant blocks: their own kernels, no packed copy
             self.native = weight.qweight.device.type == "cpu" and kquant_linear.available()
             return
+        if weight.kind == "bf16":
+            self.native = weight.qweight.device.type == "cpu" and bf16_linear.available()
+            return
         self.native = weight.qweight.device.type == "cpu" and native.available(
             torch.empty(1, weight.shape[1]))
         if self.native:  # shapes the kernels refuse (an odd K, groups they cannot take)
@@ -103,6 +109,10 @@ class QuantizedMatmul:
         if not self.native or x.dtype != torch.float32:
             return F.linear(x, w.dequantize(x.dtype), self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if w.scales is None and self.kquant is None:  # bf16
+            if rows <= bf16_linear.SMALL_M:
+                return bf16_linear.bf16_linear_small_m(x, w.qweight, self.bias)
+            return bf16_linear.bf16_linear(x, w.qweight, self.bias)
         if self.kquant is not None:
             if rows <= kquant_linear.SMALL_M:
                 return kquant_linear.kquant_linear(x, w.qweight, self.kquant, self.bias)

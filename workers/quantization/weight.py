@@ -1,4 +1,4 @@
-"""A quantized [N, K] linear weight, in one of four self-describing layouts.
+"""A quantized [N, K] linear weight, in one of five self-describing layouts.
 
 - int8 (`qweight` int8 [N, K]): symmetric, w = q * scale. Per output channel when quantized at
   load (one group of K), or per group of 32 / 16 (GGUF Q8_0 / Q6_K).
@@ -12,6 +12,9 @@
   read by kernels/cpu/kquant_linear.py. Kept whole because their per-group scale d * sc is not
   exact in float16: widened to floats they read 6 (Q4_K) and 10 (Q6_K) bits an element
   instead of 4.5 and 6.56.
+
+- bf16 (`qweight` bfloat16 [N, K], no scales): a bf16 checkpoint's weight as stored, under a
+  float32 model (kernels/cpu/bf16_linear.py): half the bytes of widening it, the same values.
 
 `scales` (and `mins` for q4, in the same dtype) are [N, K / group], float32 or float16; the
 group size is K over their width. GGUF stores its block scales as float16: kept so
@@ -27,7 +30,7 @@ import numpy as np
 import torch
 
 Q4_GROUP = 32  # elements per 4-bit group (the nibble order above is per 32 elements)
-KINDS = ("int8", "fp8", "q4", "q4_k", "q5_k", "q6_k")
+KINDS = ("int8", "fp8", "q4", "q4_k", "q5_k", "q6_k", "bf16")
 SCALE_DTYPES = (torch.float32, torch.float16)
 SUPER_BLOCK = 256  # elements per K-quant super-block
 # llama.cpp's type id -> (kind, bytes per super-block of 256)
@@ -46,6 +49,10 @@ class QuantizedWeight:
             self._check_kquant()
             return
         kind = self.kind  # validates the dtype
+        if kind == "bf16":
+            if self.qweight.dim() != 2 or self.scales is not None or self.mins is not None:
+                raise ValueError("bf16 weights are [N, K] with no scales")
+            return
         rows, cols = self.shape
         if self.scales.dim() != 2 or self.scales.shape[0] != rows or self.scales.shape[1] == 0:
             raise ValueError(f"{kind} scales must be [{rows}, groups], not "
@@ -85,6 +92,8 @@ class QuantizedWeight:
             return "fp8"
         if dtype == torch.uint8:
             return "q4"
+        if dtype == torch.bfloat16:
+            return "bf16"
         raise ValueError(f"no quantized layout stores weights as {dtype}")
 
     @property
@@ -99,6 +108,8 @@ class QuantizedWeight:
         """Elements a scale covers (K-quants: the super-block, the unit columns split along)."""
         if self.ggml_type is not None:
             return SUPER_BLOCK
+        if self.scales is None:  # bf16: every element its own
+            return 1
         return self.shape[1] // self.scales.shape[1]
 
     def nbytes(self) -> int:
@@ -109,6 +120,8 @@ class QuantizedWeight:
         """The float [N, K] weight these bytes stand for."""
         if self.ggml_type is not None:
             return kquant_dequantize(self.qweight, self.ggml_type, self.shape[1]).to(dtype)
+        if self.scales is None:  # bf16
+            return self.qweight.to(dtype)
         if self.kind == "q4":
             q = self.qweight.view(self.shape[0], -1, Q4_GROUP // 2)
             q = torch.cat([q & 0xF, q >> 4], dim=-1).float()  # per group: elements j, j + 16
@@ -122,6 +135,8 @@ class QuantizedWeight:
     def narrow(self, dim: int, start: int, length: int) -> QuantizedWeight:
         """Rows (dim 0) anywhere; columns (dim 1) only along whole groups (a parallel shard)."""
         kq = self.ggml_type
+        if self.scales is None and kq is None:  # bf16: anywhere
+            return QuantizedWeight(self.qweight.narrow(dim, start, length), None)
         if dim % 2 == 0:
             if kq is not None:
                 return QuantizedWeight(self.qweight.narrow(0, start, length), None, None, kq)
@@ -144,13 +159,13 @@ class QuantizedWeight:
 
     def take_rows(self, ids: torch.Tensor) -> QuantizedWeight:
         """The rows `ids` (1-D), e.g. an embedding lookup's."""
-        if self.ggml_type is not None:
+        if self.scales is None:  # K-quant blocks or bf16 rows
             return QuantizedWeight(self.qweight[ids], None, None, self.ggml_type)
         return QuantizedWeight(self.qweight[ids], self.scales[ids],
                                None if self.mins is None else self.mins[ids])
 
     def contiguous(self) -> QuantizedWeight:
-        if self.ggml_type is not None:
+        if self.scales is None:
             return QuantizedWeight(self.qweight.contiguous(), None, None, self.ggml_type)
         return QuantizedWeight(self.qweight.contiguous(), self.scales.contiguous(),
                                None if self.mins is None else self.mins.contiguous())
@@ -158,7 +173,7 @@ class QuantizedWeight:
     def compact_scales(self) -> QuantizedWeight:
         """The same weight with float16 scales and mins when that loses nothing (GGUF's Q8_0,
         Q4_0 and Q4_1 store them so); otherwise itself."""
-        if self.ggml_type is not None:
+        if self.scales is None:
             return self
         parts = [t for t in (self.scales, self.mins) if t is not None]
         if self.scales.dtype == torch.float16 or not all(
@@ -175,7 +190,7 @@ def cat_rows(parts: list[QuantizedWeight]) -> QuantizedWeight:
         if p.kind != first.kind or p.group_size != first.group_size:
             raise ValueError(f"cannot fuse a {p.kind} weight in groups of {p.group_size} with "
                              f"a {first.kind} one in groups of {first.group_size}")
-    if first.ggml_type is not None:
+    if first.scales is None:  # K-quant blocks or bf16 rows
         return QuantizedWeight(torch.cat([p.qweight for p in parts]), None, None,
                                first.ggml_type)
     # Scales of different dtypes meet as float32 (exact: float16 widens losslessly).

@@ -1,0 +1,75 @@
+"""A bf16 checkpoint under the default float32 model: its matrices stay bf16 in memory (the
+checkpoint's bytes, not widened), read by the bf16 kernels, and the model's logits follow HF
+transformers on the same weights widened to float32.
+
+The kernels round each linear's input to bf16 (as oneDNN's and llama.cpp's bf16 paths do): a
+relative move of at most 2^-9 per element, which through these random models moves logits by
+well under ROUNDED_TOL of their spread; a wrong row, column or byte order moves them by the
+spread itself.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from deepinfer.kernels.cpu import bf16_linear
+from deepinfer.workers.quantization.weight import QuantizedWeight
+from scripts.tiny_models import save_tiny_model
+from tests.workers.quantization.test_quantized_model import (
+    check_against,
+    prompts,  # noqa: F401  (a fixture)
+    quantized_linears,
+)
+
+pytestmark = pytest.mark.skipif(not bf16_linear.available(),
+                                reason=f"not built: {bf16_linear.build_error()}")
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tmp_path_factory) -> Path:
+    """A tiny Llama saved in bf16, as most checkpoints on the hub are."""
+    out = save_tiny_model(tmp_path_factory.mktemp("bf16"), tie_word_embeddings=False,
+                          intermediate_size=128)
+    for path in out.glob("*.safetensors"):
+        tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(path)).items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_kernel_matches_the_rounded_reference() -> None:
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k in ((1, 37, 64), (3, 100, 2048), (5, 64, 96), (16, 300, 512), (4, 9, 50)):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen)
+        expected = x.bfloat16().float() @ w.float().T + bias
+        scale = expected.abs().max().item()
+        torch.testing.assert_close(bf16_linear.bf16_linear_small_m(x, w, bias), expected,
+                                   rtol=1e-5, atol=1e-5 * scale)
+        # oneDNN's GEMM also rounds its output to bf16 (2^-9 relative) before the bias
+        torch.testing.assert_close(bf16_linear.bf16_linear(x, w, bias) - bias, expected - bias,
+                                   rtol=2**-8, atol=1e-5 * scale)
+
+
+def test_bf16_weights_stay_bf16_and_follow_hf(bf16_model, prompts) -> None:  # noqa: F811
+    got = check_against(bf16_model, None, bf16_model, prompts, rounded_prompt=True)
+    model = got["runner"].model
+    # 3 layers x (qkv, o, gate_up, down) + the head, all bf16; the embedding too
+    assert quantized_linears(got["runner"]) == {"bf16": 13}
+    embed = model.model.embed_tokens.quantized
+    assert isinstance(embed, QuantizedWeight) and embed.kind == "bf16"
+    stored = load_file(str(next(bf16_model.glob("*.safetensors"))))
+    assert torch.equal(embed.qweight, stored["model.embed_tokens.weight"])
+
+
+def test_quantization_none_widens_them(bf16_model, prompts) -> None:  # noqa: F811
+    got = check_against(bf16_model, "none", bf16_model, prompts, rounded_prompt=False,
+                        rounded_decode=False)
+    assert quantized_linears(got["runner"]) == {}
