@@ -193,3 +193,15 @@ def test_a_rerun_waits_until_the_server_was_idle_for_a_while():
     time.sleep(0.25)
     drive(s, model)
     assert s.audit.requests == 1
+
+
+def test_a_job_names_the_shortcuts_its_request_took():
+    s, model = make(audit_idle_seconds=60.0, audit_server_shortcuts=("kv_float16",)), FakeModel()
+    add(s, "a", PROMPT)
+    drive(s, model)
+    add(s, "b", PROMPT + [40, 41, 42, 43])  # a prefix hit on a's blocks...
+    add(s, "c", [5, 6, 7])  # ... in a step shared with c
+    drive(s, model)
+    jobs = {job.request_id: job.shortcuts for job in s.audit.jobs}
+    assert jobs == {"a": ("kv_float16",), "b": ("batch", "kv_float16", "prefix_device"),
+                    "c": ("batch", "kv_float16")}
