@@ -545,7 +545,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         model = self.model_config()
         if model.sliding_window is None:
             return None
-        if self.swa_replay == "exact":
+        if self.swa_replay == "exact" or self.deterministic:  # (window replay is approximate)
             return model.layer_kinds.count(SLIDING) * model.sliding_window
         return model.sliding_window
 

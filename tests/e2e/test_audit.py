@@ -127,20 +127,27 @@ def test_a_disk_block_changed_with_a_matching_checksum_is_reported_under_prefix_
     assert f"scheduler {level} audit: request {found.request_id} diverged" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("snapshots", [True, False], ids=["restored", "not_restored"])
-def test_without_snapshot_restore_a_window_replay_is_reported(hybrid, snapshots):
+@pytest.mark.parametrize("snapshots,deterministic", [(True, False), (False, False),
+                                                     (False, True)],
+                         ids=["restored", "not_restored", "not_restored_deterministic"])
+def test_without_snapshot_restore_a_window_replay_is_reported(hybrid, snapshots, deterministic):
     """The second prompt's hit ends 6 tokens past a snapshot point: restored from it, the
     sliding layers are exact; with no snapshot to restore (interval 0: only at a prompt's end,
-    far beyond), W tokens are replayed, which is approximate beyond the first sliding layer."""
+    far beyond), W tokens are replayed, which is approximate beyond the first sliding layer;
+    --deterministic replays every sliding layer's window (exact), to the bit."""
     first = prompt(12 * W, seed=3)
     second = first[:10 * W + 6] + prompt(5, seed=4)
-    with engine(hybrid, swa_snapshot_interval=None if snapshots else 0) as llm:
+    with engine(hybrid, swa_snapshot_interval=None if snapshots else 0,
+                deterministic=deterministic) as llm:
         llm.generate([first], GREEDY)
         out = llm.generate([second], GREEDY)[0]
         stats = audited(llm, 2)
     assert out.cached_tokens > 0
     if snapshots:
         assert stats.swa_snapshot_hits == 1 and stats.audit_divergences == {}
+    elif deterministic:
+        assert stats.replayed_tokens > W and stats.audit_divergences == {}
+        assert stats.audit_largest_logprob_diff == 0.0
     else:
         assert stats.swa_snapshot_hits == 0
         assert stats.audit_divergences == {"prefix_device": 1, "swa_replay_window": 1}
