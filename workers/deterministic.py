@@ -35,7 +35,8 @@ from torch import nn
 from deepinfer.engine.model_config import ModelConfigError
 from deepinfer.kernels.cpu import attention as cpu_attention
 from deepinfer.workers.attention import AttentionBackend
-from deepinfer.workers.layers.linear import Linear
+from deepinfer.workers.layers.linear import Linear, PlainWeight
+from deepinfer.workers.layers.moe import FusedExperts
 
 WEIGHT_COPIES = "plain"  # the only copy the row-invariant linear reads
 
@@ -50,6 +51,12 @@ def make_row_invariant(model: nn.Module, backend: AttentionBackend) -> None:
         raise ModelConfigError(
             "--deterministic runs on the CPU's native float32 kernels or the Triton kernels of "
             f"a GPU; the {backend.name} attention backend has no row-invariant mode")
+    other = sorted({type(m).__name__ for m in model.modules()
+                    if isinstance(m, (FusedExperts, PlainWeight))})
+    if other:  # matmuls outside Linear (experts, MLA's absorbed projections): not covered
+        raise ModelConfigError(
+            "--deterministic covers dense models whose matmuls are all linears (Llama, Qwen, "
+            f"Mistral, Gemma 3); this one has {', '.join(other)}")
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, Linear)]
     quantized = [name for name, m in linears if m.quant is not None]
     on_cpu = isinstance(backend, CpuAttention)

@@ -12,7 +12,7 @@ from deepinfer.kernels.cpu import linear as cpu_linear
 from deepinfer.workers.attention.cpu_backend import CpuAttention
 from deepinfer.workers.attention.torch_backend import TorchAttention
 from deepinfer.workers.deterministic import WEIGHT_COPIES, make_row_invariant
-from deepinfer.workers.layers.linear import Linear
+from deepinfer.workers.layers.linear import Linear, PlainWeight
 
 if not (cpu_linear.available(torch.zeros(1)) and cpu_attention.available(torch.zeros(1))):
     pytest.skip("native CPU kernels unavailable", allow_module_level=True)
@@ -47,3 +47,8 @@ def test_quantized_weights_and_other_backends_are_refused(backend):
         make_row_invariant(nn.Sequential(linear("int8")), backend)
     with pytest.raises(ModelConfigError, match="torch attention backend"):
         make_row_invariant(nn.Sequential(linear()), TorchAttention())
+
+
+def test_models_with_matmuls_outside_linears_are_refused(backend):
+    with pytest.raises(ModelConfigError, match="PlainWeight"):
+        make_row_invariant(nn.Sequential(linear(), PlainWeight(8, 8)), backend)
