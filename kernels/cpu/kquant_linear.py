@@ -3,7 +3,10 @@ native kernels (csrc/kquant_linear.cpp).
 
 - `kquant_linear`: decode batches (up to SMALL_M rows), bound by reading the weight: the
   super-blocks stream once for all rows, activations meet them as int8 per block of 32.
-- `kquant_dequant_linear`: any M, through dequantized tiles and a float32 GEMM (prefill).
+- `kquant_dequant_linear`: any M, through dequantized tiles and a GEMM (prefill): bf16 tiles,
+  activations and products where oneDNN has a bf16 GEMM (AVX512-BF16: ~2x float32's at 256
+  rows here; the tile, the activations and the output rounded to bf16, 2^-9 relative each),
+  else float32.
 - `kquant_dequantize`: the float32 rows (embedding lookups, the reference's weight).
 
 `blocks` is uint8 [N, K / 256 * block bytes] (workers/quantization/weight.py's "k-quant"
@@ -18,6 +21,7 @@ from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("kquant_linear", "kquant_linear.cpp", "kquant_linear")
 SMALL_M = 16  # the rows kquant_linear takes; more go through dequantized tiles
+BF16_TILES = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def available(*tensors: torch.Tensor) -> bool:
@@ -36,9 +40,10 @@ def kquant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 
 
 def kquant_dequant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
-                          bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The same product for any M, through dequantized tiles and a GEMM."""
-    return _OP.sibling("kquant_dequant_linear")(x, blocks, ggml_type, bias)
+                          bias: torch.Tensor | None = None,
+                          bf16: bool = BF16_TILES) -> torch.Tensor:
+    """The same product for any M, through dequantized tiles and a GEMM (`bf16`: in bf16)."""
+    return _OP.sibling("kquant_dequant_linear")(x, blocks, ggml_type, bias, bf16)
 
 
 def kquant_dequantize(blocks: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:

@@ -18,7 +18,7 @@
 // (Q6_K) elements; the weight row is unpacked once for all M rows. Without AVX512-VNNI the
 // same sums are formed one element at a time (correct, slow).
 // kquant_dequant_linear (prefill chunks, larger batches): tiles of rows dequantized to float32
-// and multiplied with a GEMM, as quant_linear_dequant does.
+// (or bf16) and multiplied with a GEMM, as quant_linear_dequant does.
 // kquant_dequantize: the float32 rows (embedding lookups).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -470,11 +470,13 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 }
 
 at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                                 const std::optional<at::Tensor>& bias) {
+                                 const std::optional<at::Tensor>& bias, bool bf16) {
   Prepared p = prepare(x, blocks, type, bias);
   if (p.M == 0 || p.N == 0) return p.y;
   const int64_t K = p.K, N = p.N, M = p.M, row_bytes = K / kSuper * block_bytes(p.t);
-  const at::Tensor x2 = p.x.view({M, K});
+  // bf16: tiles and activations rounded to bf16 for a bf16 GEMM (AVX512-BF16: twice float32's
+  // products an instruction), its output rounded to bf16 too; else float32 throughout.
+  const at::Tensor x2 = bf16 ? p.x.view({M, K}).to(at::kBFloat16) : p.x.view({M, K});
   const float* bias_p = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* y = p.y.data_ptr<float>();
   // ~384 KiB of float32 weight a tile (quant_linear.cpp's run_dequant measured it).
@@ -487,8 +489,10 @@ at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, 
       for (int64_t r = 0; r < rows; ++r) {
         dequant_row(p.t, p.w + (n0 + r) * row_bytes, K, buf.data() + r * K);
       }
-      const at::Tensor wt = at::from_blob(buf.data(), {rows, K}, x2.options());
-      const at::Tensor part = at::mm(x2, wt.t());  // [M, rows], one thread (nested region)
+      at::Tensor wt = at::from_blob(buf.data(), {rows, K}, p.x.options());
+      if (bf16) wt = wt.to(at::kBFloat16);
+      // [M, rows], one thread (nested region)
+      const at::Tensor part = at::mm(x2, wt.t()).to(at::kFloat).contiguous();
       const float* pp = part.data_ptr<float>();
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t r = 0; r < rows; ++r) {
@@ -520,7 +524,8 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) 
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("kquant_linear(Tensor x, Tensor blocks, int type, Tensor? bias=None) -> Tensor");
-  m.def("kquant_dequant_linear(Tensor x, Tensor blocks, int type, Tensor? bias=None) -> Tensor");
+  m.def("kquant_dequant_linear(Tensor x, Tensor blocks, int type, Tensor? bias=None, "
+        "bool bf16=False) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int type, int K) -> Tensor");
 }
 

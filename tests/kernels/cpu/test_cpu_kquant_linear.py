@@ -61,14 +61,20 @@ def test_decode_kernel_matches_reference(qtype: Q, m: int, n: int, k: int) -> No
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+# bf16 tiles: the weight, the activations and the output each rounded to bf16 (2^-9 relative)
+BF16_TOL = 2**-6
+
+
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 17, 70])
-def test_dequantized_tiles_match_reference(qtype: Q, m: int) -> None:
+@pytest.mark.parametrize("bf16", [False, True], ids=["f32", "bf16"])
+def test_dequantized_tiles_match_reference(qtype: Q, m: int, bf16: bool) -> None:
     raw = blocks(qtype, 300, 512, seed=m)
     x = torch.randn(m, 512, generator=torch.Generator().manual_seed(m))
     expected = x @ reference_weight(raw, qtype, 512).T
-    got = kq.kquant_dequant_linear(x, torch.from_numpy(raw), int(qtype))
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    got = kq.kquant_dequant_linear(x, torch.from_numpy(raw), int(qtype), bf16=bf16)
+    tol = BF16_TOL if bf16 else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
@@ -108,7 +114,8 @@ def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int) -> None:
     act = quantize_activations(x) if rows <= kq.SMALL_M else x
     expected = act @ ref_w.T
     got = QuantizedMatmul(weight, None)(x)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+    tol = BF16_TOL if rows > kq.SMALL_M and kq.BF16_TILES else 1e-4
+    torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
     shard = weight.narrow(1, 256, 512)
     assert tuple(shard.shape) == (24, 512)
     torch.testing.assert_close(shard.dequantize(), ref_w[:, 256:768], rtol=0, atol=0)
