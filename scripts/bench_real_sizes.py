@@ -16,6 +16,9 @@ for an HF directory, its bf16 GGUF). Per system and round:
   tok/s over the wall time, TTFT and ITL p50 / p99;
 * prefill: one prompt of `--long-prompt` tokens generating 1: TTFT and prompt tok/s.
 
+`--startup-only`: only the start-up, twice per system: with the page cache dropped first (cold:
+the model file read from disk; needs root for /proc/sys/vm/drop_caches) and again (warm).
+
 Prompts are random token ids, fresh for every request (no prefix reuse: DeepInfer's prefix cache
 never hits, and llama-server gets `cache_prompt: false` and `--cache-ram 0`); every request
 ignores EOS and must return exactly the tokens asked (checked). Both get `--threads` threads
@@ -116,7 +119,15 @@ def context_per_slot(args: argparse.Namespace) -> int:
     return max(args.input_len + max(args.output_len, args.batch_1_tokens), args.long_prompt + 1)
 
 
-def run_deepinfer(args: argparse.Namespace, work: Workload) -> dict[str, float]:
+def drop_page_cache() -> None:
+    """Every clean page of the page cache dropped (the model file's included): a cold start."""
+    import os
+
+    os.sync()
+    Path("/proc/sys/vm/drop_caches").write_text("1\n")
+
+
+def run_deepinfer(args: argparse.Namespace, work: Workload | None) -> dict[str, float]:
     ctx = context_per_slot(args)
     start = time.perf_counter()
     server = ServerProcess(args.model, "--worker-threads", str(args.threads),
@@ -124,6 +135,9 @@ def run_deepinfer(args: argparse.Namespace, work: Workload) -> dict[str, float]:
                            "--max-num-seqs", str(max(args.streams, 1)), *args.deepinfer_args,
                            timeout=1800)
     up = time.perf_counter() - start
+    if work is None:
+        server.stop()
+        return {"startup_s": up}
     try:
         result = asyncio.run(work.run(server.base_url))
         memory = [line for line in server.output().splitlines() if " memory: " in line]
@@ -133,7 +147,8 @@ def run_deepinfer(args: argparse.Namespace, work: Workload) -> dict[str, float]:
             if memory else ""}
 
 
-def run_llama(args: argparse.Namespace, work: Workload, binary: str) -> dict[str, float]:
+def run_llama(args: argparse.Namespace, work: Workload | None, binary: str
+              ) -> dict[str, float]:
     slots = max(args.streams, 1)
     spec = llama_server.ServerSpec(binary, args.llama_gguf, slots,
                                    llama_server.context_size(slots, context_per_slot(args)),
@@ -142,6 +157,8 @@ def run_llama(args: argparse.Namespace, work: Workload, binary: str) -> dict[str
     with llama_server.LlamaServer(spec) as server:
         server.wait_healthy(timeout=1800)
         up = time.perf_counter() - start
+        if work is None:
+            return {"startup_s": up}
         result = asyncio.run(work.run(server.base_url))
     return {"startup_s": up, **result}
 
@@ -170,6 +187,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--deepinfer-arg", dest="deepinfer_args", action="append", default=[],
                     help="one more `deepinfer serve` argument (repeat)")
+    ap.add_argument("--startup-only", action="store_true",
+                    help="only time start-up, cold (page cache dropped) then warm")
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
     if args.llama_gguf is None:
@@ -184,6 +203,16 @@ def main() -> None:
               else "llama-server: no --llama-gguf for an HF model; skipped")
         systems.remove("llama-server")
     rows: dict[str, list[dict[str, Any]]] = {s: [] for s in systems}
+    if args.startup_only:
+        for system in systems:
+            for label in ("cold", "warm"):
+                if label == "cold":
+                    drop_page_cache()
+                up = (run_deepinfer(args, None) if system == "deepinfer"
+                      else run_llama(args, None, binary))["startup_s"]
+                print(f"{system} start-up to /health, {label} page cache: {up:.1f} s", flush=True)
+        print("command: " + " ".join(sys.argv))
+        return
     for r in range(args.rounds):
         for system in systems:
             work = Workload(args, vocab)
