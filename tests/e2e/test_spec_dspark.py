@@ -31,7 +31,7 @@ def pair(request, tmp_path_factory):
     return target, drafter, ref
 
 
-@pytest.mark.parametrize("threshold", [0.5, 0.0])
+@pytest.mark.parametrize("threshold", [0.5, pytest.param(0.0, marks=pytest.mark.slow)])
 def test_greedy_text_is_identical_with_dspark(pair, threshold):
     target, drafter, ref = pair
     params = [GREEDY] * len(PROMPTS)
@@ -48,7 +48,8 @@ def test_greedy_text_is_identical_with_dspark(pair, threshold):
     assert stats.kv_blocks_free == stats.kv_blocks_total
 
 
-@pytest.mark.parametrize("host_tier", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.slow  # (make test's budget: the greedy identity above stays in the default run)
+@pytest.mark.parametrize("host_tier", [False, True])
 def test_prefix_hits_after_dspark_steps_give_the_cold_text(pair, host_tier):
     """Round two extends round one's conversations and hits the blocks speculated steps filled
     (the drafter's context K/V among them, or brought back from the host tier)."""

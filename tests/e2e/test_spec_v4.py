@@ -88,8 +88,8 @@ def cold_follow_ups(v4):
         return [o.token_ids for o in llm.generate(follow_ups(ref), GREEDY)]
 
 
-@pytest.mark.parametrize("tier", ["device", pytest.param("host", marks=pytest.mark.slow),
-                                  pytest.param("disk", marks=pytest.mark.slow)])
+@pytest.mark.slow  # (make test's budget: the greedy identity above stays in the default run)
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
 def test_prefix_hits_after_speculated_steps_give_the_cold_text(v4, cold_follow_ups, tier,
                                                                tmp_path):
     """Round one speculates; round two's prompts extend round one's conversations and hit the
