@@ -10,8 +10,8 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 
 # The modules that each hold one NativeOp (their `_OP`).
-OP_MODULES = ("attention", "bf16_linear", "decode_layer", "fused", "kquant_linear", "linear", "lora",
-              "quant_linear")
+OP_MODULES = ("attention", "bf16_linear", "decode_layer", "fused", "kquant_linear", "linear",
+              "lora", "quant_linear")
 
 
 def build(module: str) -> str | None:
