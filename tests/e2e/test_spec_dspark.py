@@ -1,7 +1,7 @@
 """DSpark through the real processes: greedy text identical to no speculation on a Llama, a Qwen3
 and a DeepSeek-V4 target (chunked prefill, an opted-out request, mixed lengths), with the
 confidence head choosing the lengths and with every slot verified (threshold 0); after
-speculated steps a prefix hit (device and host tier) gives the cold text. The drafts themselves
+speculated steps a prefix hit (device, host tier, disk tier) gives the cold text. The drafts themselves
 are checked against a reference in tests/workers/spec_decode/test_dspark.py.
 """
 
@@ -49,16 +49,17 @@ def test_greedy_text_is_identical_with_dspark(pair, threshold):
 
 
 @pytest.mark.slow  # (make test's budget: the greedy identity above stays in the default run)
-@pytest.mark.parametrize("host_tier", [False, True])
-def test_prefix_hits_after_dspark_steps_give_the_cold_text(pair, host_tier):
+@pytest.mark.parametrize("tier", ["device", "host", "disk"])
+def test_prefix_hits_after_dspark_steps_give_the_cold_text(pair, tier, tmp_path):
     """Round two extends round one's conversations and hits the blocks speculated steps filled
-    (the drafter's context K/V among them, or brought back from the host tier)."""
+    (the drafter's context K/V among them, or brought back from the host or the disk tier)."""
     target, drafter, ref = pair
     follow = [p + r[:12] + [77, 78, 79] for p, r in zip(PROMPTS, ref)]
     with LLM(str(target), num_kv_blocks=256, enable_prefix_caching=False, **CHUNKED) as llm:
         cold = [o.token_ids for o in llm.generate(follow, GREEDY)]
-    extra = dict(num_kv_blocks=48, host_kv_cache_gb=0.01) if host_tier else dict(
-        num_kv_blocks=256)
+    extra = {"device": dict(num_kv_blocks=256),
+             "host": dict(num_kv_blocks=48, host_kv_cache_gb=0.01),
+             "disk": dict(num_kv_blocks=48, kv_disk_path=str(tmp_path))}[tier]
     with LLM(str(target), swa_replay="exact", speculative_method="dspark",
              speculative_model=str(drafter), num_speculative_tokens=3, **CHUNKED,
              **extra) as llm:
@@ -68,5 +69,5 @@ def test_prefix_hits_after_dspark_steps_give_the_cold_text(pair, host_tier):
     assert first == ref
     assert [o.token_ids for o in outs] == cold
     assert sum(o.cached_tokens for o in outs) > 0 and stats.spec_draft_tokens > 0
-    if host_tier:
+    if tier == "host":
         assert stats.host_blocks_in > 0

@@ -109,3 +109,40 @@ def test_prefix_hits_after_speculated_steps_give_the_cold_text(v4, cold_follow_u
     assert stats.spec_draft_tokens > 0
     if tier == "host":
         assert stats.host_blocks_in > 0
+
+
+@pytest.mark.slow  # three servers
+def test_pd_transfer_then_speculated_steps_give_one_plain_servers_text(v4):
+    """A prefill server computes the prompt, the decode server takes its KV and speculates with
+    the MTP layer; a second request extends the first conversation (a prefix hit on speculated
+    steps' blocks, or their transfer): both texts are one plain server's."""
+    from scripts.server_process import ServerProcess, disaggregation_roles
+    from tests.e2e.test_disaggregation import (
+        COMMON,
+        SECRET,
+        complete,
+        metric,
+        prompt_text,
+        wait_idle,
+    )
+
+    model, _, _ = v4
+    plain = ServerProcess(model, *COMMON)
+    pd = ServerProcess(model, *COMMON, "--prefill-servers", "1", "--decode-servers", "1",
+                       "--speculative-method", "mtp", "--block-size", "4",
+                       env={"DEEPINFER_CLUSTER_SECRET": SECRET})
+    try:
+        roles = disaggregation_roles(pd.proc.pid)
+        first = prompt_text(1, 40)
+        ref = complete(plain.base_url, first, ignore_eos=True)["choices"][0]["text"]
+        out = complete(pd.base_url, first, ignore_eos=True)["choices"][0]["text"]
+        assert out == ref
+        second = first + out + " and then"
+        ref = complete(plain.base_url, second, ignore_eos=True)["choices"][0]["text"]
+        assert complete(pd.base_url, second, ignore_eos=True)["choices"][0]["text"] == ref
+        assert metric(roles["decode"][1], "deepinfer_spec_decode_draft_tokens_total") > 0
+        assert metric(roles["decode"][1], "deepinfer_kv_transfer_blocks_total") > 0
+        wait_idle(roles["prefill"][1], roles["decode"][1])
+    finally:
+        pd.stop()
+        plain.stop()
