@@ -27,6 +27,14 @@ def test_spec_flags_map_to_engine_config(command):
         "ngram_min": 1, "ngram_max": 3, "speculative_disable_by_batch_size": 8}
 
 
+def test_dspark_flags_map_to_engine_config():
+    args = cli.build_parser().parse_args(["serve", "--speculative-method", "dspark",
+                                          "--speculative-model", "/d",
+                                          "--speculative-confidence-threshold", "0.25"])
+    assert cli.engine_kwargs(args) == {"speculative_method": "dspark", "speculative_model": "/d",
+                                       "speculative_confidence_threshold": 0.25}
+
+
 def test_unset_spec_flags_keep_speculation_off():
     config = cli.engine_config(cli.build_parser().parse_args(["serve"]))
     assert config.speculative_method is None and config.num_speculative_tokens == 3
@@ -45,6 +53,11 @@ def test_unknown_method_is_refused_by_argparse(capsys):
     {"speculative_method": "ngram", "num_speculative_tokens": 1, "ngram_min": 1, "ngram_max": 1},
     {"speculative_method": "mtp", "num_speculative_tokens": 16},
     {"speculative_method": "draft", "speculative_model": "/d"},
+    {"speculative_method": "dspark", "speculative_model": "/d"},
+    {"speculative_method": "dspark", "speculative_model": "/d",
+     "speculative_confidence_threshold": 0.0},
+    {"speculative_method": "dspark", "speculative_model": "/d",
+     "speculative_confidence_threshold": 1.0},
     {"speculative_method": "ngram", "speculative_disable_by_batch_size": 1},
     {"num_speculative_tokens": 0},  # ignored while speculation is off
 ])
@@ -53,7 +66,17 @@ def test_valid_settings_pass(settings):
 
 
 @pytest.mark.parametrize("settings,message", [
-    ({"speculative_method": "eagle"}, "--speculative-method must be one of ngram, draft, mtp"),
+    ({"speculative_method": "eagle"},
+     "--speculative-method must be one of ngram, draft, mtp, dspark"),
+    ({"speculative_method": "dspark"}, "--speculative-method dspark needs --speculative-model"),
+    ({"speculative_method": "mtp", "speculative_confidence_threshold": 0.5},
+     "--speculative-confidence-threshold is a probability for --speculative-method dspark"),
+    ({"speculative_method": "dspark", "speculative_model": "/d",
+      "speculative_confidence_threshold": 1.5},
+     "--speculative-confidence-threshold is a probability"),
+    ({"speculative_method": "dspark", "speculative_model": "/d",
+      "speculative_confidence_threshold": -0.1},
+     "--speculative-confidence-threshold must be at least 0"),
     ({"speculative_method": "ngram", "num_speculative_tokens": 0},
      "--num-speculative-tokens must be between 1 and 16, got 0"),
     ({"speculative_method": "mtp", "num_speculative_tokens": 17},
