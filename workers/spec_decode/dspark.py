@@ -48,13 +48,15 @@ DEFAULT_THRESHOLD = 0.5
 class LayerTap:
     """The target's chosen layers' states of the last forward, row for row: [T, width]."""
 
-    def __init__(self, target: nn.Module, layer_ids: tuple[int, ...]) -> None:
+    def __init__(self, target: nn.Module, cfg: ModelConfig, layer_ids: tuple[int, ...]) -> None:
         model = target.model
         n = len(model.layers)
         if any(i < -1 or i >= n for i in layer_ids):
             raise ModelConfigError(f"DSpark target_layer_ids {list(layer_ids)} are outside the "
                                    f"target's {n} layers (-1: the embedding)")
-        self.streams = hasattr(model, "hc_head")  # DeepSeek-V4: residual streams per layer
+        # DeepSeek-V4: each layer's state is its residual streams, flattened.
+        self.streams = cfg.compressed.hc_mult if cfg.compressed is not None else 0
+        self.width = len(layer_ids) * max(self.streams, 1) * cfg.hidden_size
         self.ids = layer_ids
         self.states: dict[int, torch.Tensor] = {}
         for i in set(layer_ids):
@@ -69,17 +71,9 @@ class LayerTap:
                 x, residual = out  # (the next layer adds x into residual in place)
                 out = x if residual is None else x + residual
             if i == -1 and self.streams:  # the embedding enters every stream
-                out = out[:, None].expand(-1, self.hc, -1)
+                out = out[:, None].expand(-1, self.streams, -1)
             self.states[i] = out.reshape(out.shape[0], -1).clone()
         return keep
-
-    @property
-    def hc(self) -> int:
-        return self._hc
-
-    def width(self, cfg: ModelConfig) -> int:
-        self._hc = cfg.compressed.hc_mult if self.streams else 1
-        return len(self.ids) * self._hc * cfg.hidden_size
 
     def features(self) -> torch.Tensor:
         return torch.cat([self.states[i] for i in self.ids], dim=-1)
@@ -101,8 +95,8 @@ class DSparkProposer(Proposer):
                                    f"the target's ({target_cfg.vocab_size})")
         torch_dtype = DTYPES[dtype]
         self.drafter = DSparkDrafter.load(drafter_dir, torch_dtype)
-        self.tap = LayerTap(target, cfg.target_layers)
-        width = self.tap.width(target_cfg)
+        self.tap = LayerTap(target, target_cfg, cfg.target_layers)
+        width = self.tap.width
         if self.drafter.fc.in_features != width:
             raise ModelConfigError(f"the DSpark drafter's fc reads {self.drafter.fc.in_features} "
                                    f"values a token; the target's layers {list(cfg.target_layers)}"
