@@ -7,10 +7,11 @@ position i reads the target's residual streams h_i and token t_{i+1} and learns 
 it agrees with the target often, as a real checkpoint's does (the figures are taken on those
 prompts, the first `--train-seqs` of them the training set: a memorized tiny model, so the
 acceptance says what the engine makes of an MTP layer that agrees, not how well one trains).
-DSpark runs a random drafter (scripts/tiny_models.py add_dspark_weights: nothing is trained),
-once with every draft slot verified (threshold 0) and once with its confidence head choosing
-the length (`--threshold`): on an untrained drafter that measures what verifying drafts that
-are rejected anyway costs.
+The DSpark drafter (scripts/tiny_models.py add_dspark_weights) is trained the same way
+(`--dspark-steps` blocks anchored at random positions of those sequences: cross-entropy on its
+drafts, binary cross-entropy of its confidence head on whether each draft is the target's
+token), then runs once with every draft slot verified (threshold 0) and once with its
+confidence head choosing the length (`--threshold`).
 
 For each method, greedy, one process after another in this one (the engine's own processes
 each time): batch 1 over `--num-prompts` prompts and `--concurrency` prompts at once, each
@@ -47,6 +48,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--train-steps", type=int, default=300)
     p.add_argument("--train-seqs", type=int, default=16, help="greedy sequences to train on")
     p.add_argument("--lr", type=float, default=1e-2, help="MTP training's Adam learning rate")
+    p.add_argument("--dspark-steps", type=int, default=2000,
+                   help="DSpark drafter training steps (one block each; 0: a random drafter)")
     p.add_argument("--num-speculative-tokens", type=int, default=3)
     p.add_argument("--threshold", type=float, default=0.5, help="DSpark's confidence threshold")
     p.add_argument("--num-prompts", type=int, default=8)
@@ -165,6 +168,72 @@ def train_mtp(model_dir: Path, sequences: list[list[int]], steps: int, seed: int
     return float(loss.detach())
 
 
+def train_dspark(model_dir: Path, drafter_dir: Path, sequences: list[list[int]], steps: int,
+                 seed: int, lr: float = 1e-2) -> float:
+    """Train the DSpark drafter (all but its embedding and head, frozen as DeepSpec freezes
+    them) on the target's own greedy text: blocks anchored at random positions, teacher-forced
+    Markov inputs, cross-entropy on the drafts and binary cross-entropy of the confidence head
+    on whether each draft's argmax is the target's token. The target's chosen layers come from
+    transformers' V4 (each layer's residual streams, flattened, as the engine reads them)."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    from deepinfer.workers.spec_decode.dspark_model import DSparkDrafter
+
+    drafter = DSparkDrafter.load(str(drafter_dir), torch.float32).train()
+    cfg = drafter.cfg
+    drafter.requires_grad_(True)
+    drafter.embed_tokens.requires_grad_(False)
+    drafter.lm_head.requires_grad_(False)
+    target = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir),
+                                                               dtype=torch.float32).eval()
+    states: dict[int, torch.Tensor] = {}
+    hooks = [target.model.layers[i].register_forward_hook(
+        lambda m, a, out, i=i: states.__setitem__(i, out)) for i in cfg.target_layers]
+    data = torch.tensor(sequences)
+    with torch.no_grad():
+        target.model(data, use_cache=False)
+    for h in hooks:
+        h.remove()
+    features = torch.cat([states[i].flatten(-2) for i in cfg.target_layers], dim=-1)
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.Adam(params, lr=lr)
+    torch.manual_seed(seed)
+    n, length = data.shape
+    block = cfg.block
+    loss = torch.tensor(0.0)
+    for step in range(steps):
+        s = int(torch.randint(n, ()))
+        a = int(torch.randint(1, length - block, ()))
+        tokens = data[s]
+        ctx_rows = drafter.context(features[s, :a])
+        ctx_pos = torch.arange(a)
+        ctx = [layer.self_attn.keys_values(ctx_rows, ctx_pos, drafter.rope)
+               for layer in drafter.layers]
+        ids = torch.full((block,), cfg.mask_id, dtype=torch.long)
+        ids[0] = tokens[a]
+        hidden = drafter.block(ids, torch.arange(a, a + block), ctx)
+        prev = tokens[a: a + block]
+        labels = tokens[a + 1: a + 1 + block]
+        logits = drafter.lm_head(hidden) + drafter.markov_bias(prev)
+        ce = torch.nn.functional.cross_entropy(logits, labels)
+        hit = (logits.argmax(-1) == labels).float()
+        feats = torch.cat([hidden, drafter.markov_head.markov_w1(prev)], -1)
+        conf = drafter.confidence_head.proj(feats).squeeze(-1)
+        bce = torch.nn.functional.binary_cross_entropy_with_logits(conf, hit)
+        loss = ce + bce
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 100 == 0 or step == steps - 1:
+            print(f"  DSpark training step {step}: cross-entropy {ce.item():.3f}, confidence "
+                  f"{bce.item():.3f}", flush=True)
+    weights = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    save_file(weights, str(drafter_dir / "model.safetensors"))
+    return float(loss.detach())
+
+
 # ---------------------------------------------------------------------------- runs
 
 
@@ -221,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"training the MTP block ({args.train_steps} steps) ...", flush=True)
         train_mtp(model, seqs[: args.train_seqs], args.train_steps, args.seed, args.lr)
     drafter = add_dspark_weights(model, work / "dspark")
+    if any(m.startswith("dspark") for m in methods) and args.dspark_steps > 0:
+        print(f"training the DSpark drafter ({args.dspark_steps} steps) ...", flush=True)
+        train_dspark(model, drafter, seqs[: args.train_seqs], args.dspark_steps, args.seed)
     # The prompts the MTP block was trained on (their continuations are what it learned: an
     # MTP layer that agrees often, as a real checkpoint's does on real text).
     prompts = [s[: args.input_len] for s in seqs]
