@@ -2,7 +2,8 @@
 description, run over the whole sequence without a cache.
 
 The reference reads the target's chosen layers from transformers (`output_hidden_states`: entry
-l + 1 is layer l's output), and the drafter's weights from its files: context rows
+l + 1 is layer l's output; for a DeepSeek-V4 target, make test-slow, each layer's residual
+streams flattened, through hooks), and the drafter's weights from its files: context rows
 hidden_norm(fc([h_l ...])) at positions 0..p-1; the block [t_p, mask, mask, mask] at p..p+3,
 whose queries see every context row and the whole block (DeepSpec's mask: context before the
 anchor, the anchor's own block), Qwen3 layers (q/k norms, rotate-half RoPE); draft j is the
@@ -52,13 +53,28 @@ class ReferenceDSpark:
             [freqs, freqs], -1).sin()[:, None]
         return x * cos + torch.cat([-x[..., d // 2:], x[..., : d // 2]], -1) * sin
 
+    def _states(self, tokens: list[int]) -> torch.Tensor:
+        """The chosen layers' outputs, concatenated per token (a DeepSeek-V4 layer's residual
+        streams flattened: read with hooks, transformers returns them collapsed)."""
+        ids = self.cfg["target_layer_ids"]
+        if self.target.config.model_type != "deepseek_v4":
+            states = self.target(torch.tensor([tokens]), output_hidden_states=True).hidden_states
+            return torch.cat([states[i + 1][0] for i in ids], -1)
+        seen = {}
+        hooks = [self.target.model.layers[i].register_forward_hook(
+            lambda m, a, out, i=i: seen.__setitem__(i, out[0].flatten(-2))) for i in ids]
+        try:
+            self.target.model(torch.tensor([tokens]), use_cache=False)
+        finally:
+            for h in hooks:
+                h.remove()
+        return torch.cat([seen[i] for i in ids], -1)
+
     @torch.no_grad()
     def proposal(self, tokens: list[int], p: int) -> tuple[list[int], list[float]]:
         """Greedy drafts after t_p and the estimated acceptance of each prefix."""
         c, w = self.cfg, self.w
-        states = self.target(torch.tensor([tokens[:p]]), output_hidden_states=True).hidden_states
-        ctx = self._norm(torch.cat([states[i + 1][0] for i in c["target_layer_ids"]], -1)
-                         @ w["fc.weight"].T, "hidden_norm.weight")
+        ctx = self._norm(self._states(tokens[:p]) @ w["fc.weight"].T, "hidden_norm.weight")
         n = c["block_size"]
         ids = torch.tensor([tokens[p]] + [c["mask_token_id"]] * (n - 1))
         x = w["embed_tokens.weight"][ids]
@@ -97,9 +113,10 @@ class ReferenceDSpark:
         return drafts, chance
 
 
-@pytest.fixture(scope="module")
-def llama_dspark(tmp_path_factory):
-    target = save_tiny_model(tmp_path_factory.mktemp("target"), "llama")
+@pytest.fixture(scope="module", params=["llama", pytest.param("deepseek_v4",
+                                                              marks=pytest.mark.slow)])
+def target_dspark(request, tmp_path_factory):
+    target = save_tiny_model(tmp_path_factory.mktemp("target"), request.param)
     drafter = add_dspark_weights(target, tmp_path_factory.mktemp("dspark"))
     return target, drafter
 
@@ -107,7 +124,7 @@ def llama_dspark(tmp_path_factory):
 def run_engine(target, drafter, prompts, params, threshold):
     from deepinfer.workers.model_runner import ModelRunner
 
-    cfg = EngineConfig(model=str(target), num_kv_blocks=64, block_size=4,
+    cfg = EngineConfig(model=str(target), num_kv_blocks=96, block_size=4,
                        speculative_method="dspark", speculative_model=str(drafter),
                        num_speculative_tokens=K, speculative_confidence_threshold=threshold)
     runner = ModelRunner(cfg)
@@ -121,7 +138,7 @@ def run_engine(target, drafter, prompts, params, threshold):
 
     runner.spec.proposer.propose = recording
     sched = Scheduler(SchedulerConfig(
-        num_blocks=64, block_size=4, max_num_batched_tokens=16, prefill_chunk_size=8,
+        num_blocks=96, block_size=4, max_num_batched_tokens=16, prefill_chunk_size=8,
         kv_groups=cfg.model_config().kv_cache_layout().groups(), num_speculative_tokens=K))
     for rid, ids in prompts.items():
         sched.add(TokenizedRequest(rid, pack_ids(ids), params))
@@ -133,8 +150,8 @@ def run_engine(target, drafter, prompts, params, threshold):
     return proposed, tokens
 
 
-def test_dspark_drafts_and_lengths_match_the_reference(llama_dspark):
-    target, drafter = llama_dspark
+def test_dspark_drafts_and_lengths_match_the_reference(target_dspark):
+    target, drafter = target_dspark
     rng = np.random.default_rng(3)
     prompts = {f"r{i}": rng.integers(3, 40000, size=n).tolist() for i, n in enumerate([5, 19])}
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
