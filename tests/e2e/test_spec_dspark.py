@@ -1,8 +1,8 @@
 """DSpark through the real processes: greedy text identical to no speculation on a Llama, a Qwen3
 and a DeepSeek-V4 target (chunked prefill, an opted-out request, mixed lengths), with the
 confidence head choosing the lengths and with every slot verified (threshold 0); after
-speculated steps a prefix hit (device, host tier, disk tier) gives the cold text. The drafts themselves
-are checked against a reference in tests/workers/spec_decode/test_dspark.py.
+speculated steps a prefix hit (device, host tier, disk tier) gives the cold text. The drafts
+themselves are checked against a reference in tests/workers/spec_decode/test_dspark.py.
 """
 
 from __future__ import annotations
