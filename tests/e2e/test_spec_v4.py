@@ -64,10 +64,11 @@ def test_greedy_text_is_identical_with_speculation(v4, method):
 
 @pytest.mark.slow  # (V4's MTP under preemption; V3's is in the default run)
 def test_preemption_after_speculated_steps_changes_nothing(v4):
-    """24 blocks of 4 cannot hold all five requests: some are preempted mid-speculation and
-    recomputed."""
+    """16 blocks of 4 cannot hold all five requests: some are preempted mid-speculation and
+    recomputed (6 preemptions on a quiet machine; 24 blocks gave 5, and none on a loaded one,
+    where the requests reached the scheduler one by one)."""
     model, _, ref = v4
-    with LLM(str(model), num_kv_blocks=24, **CHUNKED, **spec("mtp", None)) as llm:
+    with LLM(str(model), num_kv_blocks=16, **CHUNKED, **spec("mtp", None)) as llm:
         outs = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
         stats = llm.stats()
     assert outs == ref
