@@ -68,6 +68,7 @@ def still_serving(url: str) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.slow  # (make test's 8-minute budget; the hypothesis fuzzing below stays)
 def test_schemathesis_finds_no_server_error_or_schema_violation(server, tmp_path):
     """`st run` over every operation of /openapi.json with every check but
     positive_data_acceptance (a schema-valid body may still break a limit the schema cannot

@@ -59,16 +59,23 @@ void rows_dot(const uint16_t* xb, const uint16_t* w, int64_t K, const float* bia
 #pragma GCC unroll 4
       for (int a = 0; a < A; ++a) acc[m][a] = _mm512_setzero_ps();
     }
-    for (int64_t k = 0; k < K; k += 32) {
+    // A chunks of 32 a pass, each into its own sums (a compile-time index: the sums stay in
+    // registers), then the chunks left over.
+    auto chunk = [&](int64_t k, int a) {
       _mm_prefetch(reinterpret_cast<const char*>(row + k) + kPfAhead, _MM_HINT_T0);
       const __m512bh wv = (__m512bh)_mm512_loadu_si512(row + k);
-      const int a = static_cast<int>((k / 32) % A);
 #pragma GCC unroll 16
       for (int m = 0; m < MG; ++m) {
         const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + (m0 + m) * K + k);
         acc[m][a] = _mm512_dpbf16_ps(acc[m][a], wv, xv);
       }
+    };
+    int64_t k = 0;
+    for (; k + 32 * A <= K; k += 32 * A) {
+#pragma GCC unroll 4
+      for (int a = 0; a < A; ++a) chunk(k + 32 * a, a);
     }
+    for (; k < K; k += 32) chunk(k, 0);
 #pragma GCC unroll 16
     for (int m = 0; m < MG; ++m) {
       __m512 t = acc[m][0];

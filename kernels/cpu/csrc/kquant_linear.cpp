@@ -25,6 +25,7 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/mm.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
@@ -469,14 +470,43 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   return p.y;
 }
 
+// float32 -> bf16, rounded to nearest even (as torch's conversion), n a multiple of 32.
+void to_bf16(const float* in, int64_t n, uint16_t* out) {
+#if defined(__AVX512BF16__)
+  for (int64_t i = 0; i < n; i += 32) {
+    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(in + i + 16), _mm512_loadu_ps(in + i));
+    _mm512_storeu_si512(out + i, (__m512i)v);
+  }
+#else
+  for (int64_t i = 0; i < n; ++i) out[i] = c10::BFloat16(in[i]).x;
+#endif
+}
+
 at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
                                  const std::optional<at::Tensor>& bias, bool bf16) {
   Prepared p = prepare(x, blocks, type, bias);
   if (p.M == 0 || p.N == 0) return p.y;
   const int64_t K = p.K, N = p.N, M = p.M, row_bytes = K / kSuper * block_bytes(p.t);
-  // bf16: tiles and activations rounded to bf16 for a bf16 GEMM (AVX512-BF16: twice float32's
-  // products an instruction), its output rounded to bf16 too; else float32 throughout.
-  const at::Tensor x2 = bf16 ? p.x.view({M, K}).to(at::kBFloat16) : p.x.view({M, K});
+  if (bf16) {
+    // The whole weight dequantized to bf16 (rows in parallel), then one bf16 GEMM over every
+    // thread (AVX512-BF16: twice float32's products an instruction) on the activations rounded
+    // to bf16, its output rounded to bf16 too. Per-tile GEMMs, one thread each, reached ~80
+    // GFLOPS here: oneDNN reorders each small tile; the transient weight (2 bytes an element)
+    // costs ~10 % of a 256-row product to make.
+    at::Tensor wb = at::empty({N, K}, p.x.options().dtype(at::kBFloat16));
+    auto* wp = reinterpret_cast<uint16_t*>(wb.data_ptr<at::BFloat16>());
+    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
+      std::vector<float> row(K);
+      for (int64_t r = r0; r < r1; ++r) {
+        dequant_row(p.t, p.w + r * row_bytes, K, row.data());
+        to_bf16(row.data(), K, wp + r * K);
+      }
+    });
+    at::Tensor out = at::mm(p.x.view({M, K}).to(at::kBFloat16), wb.t()).to(at::kFloat);
+    if (p.bias.defined()) out.add_(p.bias);
+    return out.view(p.y.sizes());
+  }
+  const at::Tensor x2 = p.x.view({M, K});
   const float* bias_p = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* y = p.y.data_ptr<float>();
   // ~384 KiB of float32 weight a tile (quant_linear.cpp's run_dequant measured it).
@@ -489,10 +519,8 @@ at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, 
       for (int64_t r = 0; r < rows; ++r) {
         dequant_row(p.t, p.w + (n0 + r) * row_bytes, K, buf.data() + r * K);
       }
-      at::Tensor wt = at::from_blob(buf.data(), {rows, K}, p.x.options());
-      if (bf16) wt = wt.to(at::kBFloat16);
-      // [M, rows], one thread (nested region)
-      const at::Tensor part = at::mm(x2, wt.t()).to(at::kFloat).contiguous();
+      const at::Tensor wt = at::from_blob(buf.data(), {rows, K}, p.x.options());
+      const at::Tensor part = at::mm(x2, wt.t());  // [M, rows], one thread (nested region)
       const float* pp = part.data_ptr<float>();
       for (int64_t m = 0; m < M; ++m) {
         for (int64_t r = 0; r < rows; ++r) {

@@ -69,6 +69,7 @@ def test_bf16_weights_stay_bf16_and_follow_hf(bf16_model, prompts) -> None:  # n
     assert torch.equal(embed.qweight, stored["model.embed_tokens.weight"])
 
 
+@pytest.mark.slow  # (make test's budget: the bf16 path above stays in the default run)
 def test_quantization_none_widens_them(bf16_model, prompts) -> None:  # noqa: F811
     got = check_against(bf16_model, "none", bf16_model, prompts, rounded_prompt=False,
                         rounded_decode=False)
