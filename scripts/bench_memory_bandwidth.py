@@ -3,9 +3,12 @@ copy, triad and read-only loops over buffers far larger than the caches, on `--t
 
     .venv/bin/python scripts/bench_memory_bandwidth.py [--gib 1] [--threads 2] [--repeats 10]
 
-A decode step reads every weight byte once and writes almost nothing, so "read" (a sum over
-the buffer) is the figure to hold it against; copy and triad count bytes read plus written, as
-STREAM does. Prints GB/s (10^9 bytes) per loop: the best of `--repeats`, and the median.
+A decode step reads every weight byte once and writes almost nothing, so a read loop is the
+figure to hold it against: "read" (torch's sum over the buffer) and "gemv" (DeepInfer's bf16
+decode kernel over a bf16 matrix of the same bytes, one row of activations: the loads of a
+batch-1 step with almost no arithmetic, where that kernel is built); copy and triad count bytes
+read plus written, as STREAM does (a write also reads its line first, so the memory moves more
+than they count). Prints GB/s (10^9 bytes) per loop: the best of `--repeats`, and the median.
 """
 
 from __future__ import annotations
@@ -28,6 +31,12 @@ def bandwidth(gib: float, threads: int, repeats: int) -> dict[str, dict[str, flo
         "copy": (lambda: c.copy_(a), 8 * n),
         "triad": (lambda: torch.add(b, a, alpha=3.0, out=c), 12 * n),
     }
+    from deepinfer.kernels.cpu import bf16_linear
+
+    if bf16_linear.available():
+        w = torch.ones(n // 2048 * 2, 2048, dtype=torch.bfloat16)  # the buffer's bytes
+        x = torch.ones(1, 2048)
+        loops["gemv"] = (lambda: bf16_linear.bf16_linear_small_m(x, w), w.numel() * 2)
     out = {}
     for name, (fn, nbytes) in loops.items():
         fn()  # touch the pages once
