@@ -67,10 +67,10 @@ def reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None =
     return F.linear(x, weight.to(x.dtype), bias)
 
 
-def quantize_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the small-M kernel sees it for int8 and 4-bit weights: int8 per block of 32
-    (scale max |x| / 127, round half to even), back in float32."""
-    blocks = x.float().reshape(*x.shape[:-1], -1, 32)
+def quantize_activations(x: torch.Tensor, block: int = 32) -> torch.Tensor:
+    """x as the small-M kernels see it: int8 per `block` elements (32 for int8 and 4-bit
+    weights, 256 for K-quants; scale max |x| / 127, round half to even), back in float32."""
+    blocks = x.float().reshape(*x.shape[:-1], -1, block)
     d = blocks.abs().amax(dim=-1, keepdim=True) / 127.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     return (torch.round(blocks * inv) * d).reshape(x.shape)

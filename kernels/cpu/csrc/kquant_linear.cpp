@@ -12,11 +12,11 @@
 // Q6_K), where widening the super-block scales to a float per group (their d * sc is not
 // exact in float16) read 6 / 10.
 //
-// kquant_linear (decode, M up to 16): activations quantized to int8 per block of 32 as for the
-// other quantized weights (act_quant.h), so that a super-block's 64-element chunks are one
-// u8 x s8 multiply-add instruction each (AVX512-VNNI), scaled once per 32 (Q4_K, Q5_K) or 16
-// (Q6_K) elements; the weight row is unpacked once for all M rows. Without AVX512-VNNI the
-// same sums are formed one element at a time (correct, slow).
+// kquant_linear (decode, M up to 16): activations quantized to int8 per 256 (act_quant.h; one
+// scale a super-block, as llama.cpp's Q8_K), so that a super-block's 64-element chunks are one
+// u8 x s8 multiply-add instruction each (AVX512-VNNI), scaled by the weight's 6-bit / int8
+// scales in integers and converted once a super-block; the weight row is unpacked once for all
+// M rows. Without AVX512-VNNI the same sums are formed one element at a time (correct, slow).
 // kquant_dequant_linear (prefill chunks, larger batches): tiles of rows dequantized to float32
 // (or bf16) and multiplied with a GEMM, as quant_linear_dequant does.
 // kquant_dequantize: the float32 rows (embedding lookups).
@@ -176,13 +176,13 @@ void rows_scalar(KType t, const QuantX& a, const uint8_t* w, int64_t K, const fl
       unpack(t, w + (n * (K / kSuper) + s) * bb, &u);
       for (int64_t m = 0; m < MG; ++m) {
         const int8_t* xq = a.q.data() + (m0 + m) * K + s * kSuper;
-        const float* xd = a.scale.data() + (m0 + m) * B + s * (kSuper / kBlock);
+        const float xd = a.scale[(m0 + m) * (K / kSuper) + s];
         const float* xs = a.sum.data() + (m0 + m) * B + s * (kSuper / kBlock);
         float total = 0.f;
         for (int g = 0; g < 16; ++g) {
           int32_t isum = 0;
           for (int e = 16 * g; e < 16 * g + 16; ++e) isum += u.q[e] * xq[e];
-          total += u.scale[g] * xd[g / 2] * static_cast<float>(isum);
+          total += u.scale[g] * xd * static_cast<float>(isum);
         }
         if (t != KType::kQ6K) {
           for (int j = 0; j < 8; ++j) total -= u.min[2 * j] * xs[j];
@@ -282,19 +282,21 @@ void dequant_row_vec(const uint8_t* row, int64_t K, float* out) {
   }
 }
 
-// Rows [n0, n1) against activation rows [m0, m0 + MG): per super-block the weight is unpacked
-// once, then each activation row takes 4 multiply-adds of 64 products, each scaled per 32
-// (lanes 0-7 / 8-15) or per 16 (lanes of 4) by the weight's scale times the block's. A row's
-// sums go into A independent accumulators: one chain of FMAs waits 4 cycles a link, which made
-// a single accumulator latency-bound (32 cycles a Q4_K super-block at batch 1).
+// Rows [n0, n1) against activation rows [m0, m0 + MG), quantized per 256 (one scale a
+// super-block, as llama.cpp's Q8_K): per super-block the weight is unpacked once, then each
+// activation row takes, per 64 elements, one u8 x s8 multiply-add (VPDPBUSD: sums of 4 products,
+// each within +-2^15) and one int16 multiply-add by the per-32 / per-16 scales (VPDPWSSD: a
+// sum's low half times the scale, its sign half times 0), all in integers; the super-block's
+// total is converted and scaled once. (Activations per 32 cost a conversion, a lane permute and
+// an FMA per 32 elements an activation row: the kernel was compute-bound at ~19 cycles a Q4_K
+// super-block, ~3x slower at 8 rows than at 1.)
 template <KType T, int MG>
 void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K,
                const float* bias, float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
-  constexpr int A = MG == 1 ? 4 : 2;
   const int64_t bb = block_bytes(T), S = K / kSuper, B = K / kBlock;
   // Lane i of a 64-element product covers elements 4i..4i+3: per-32 scales (Q4_K, Q5_K) go to
-  // lanes 0-7 and 8-15 of each chunk j from combined scales 2j, 2j + 1; per-16 ones (Q6_K) to
-  // lanes of 4 from combined scales 4c..4c + 3.
+  // lanes 0-7 and 8-15 of chunk j from scales 2j, 2j + 1; per-16 ones (Q6_K) to lanes of 4 from
+  // scales 4j..4j + 3.
   __m512i idx[4];
   for (int j = 0; j < 4; ++j) {
     idx[j] = T == KType::kQ6K
@@ -305,15 +307,14 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
                                      2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1,
                                      2 * j + 1, 2 * j + 1, 2 * j + 1);
   }
-  const __m512i pairs = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  const __m512i low16 = _mm512_set1_epi32(0xFFFF);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * S * bb;
-    __m512 tot[MG][A];
+    __m512 tot[MG];
     __m256 mins[MG];
 #pragma GCC unroll 16
     for (int m = 0; m < MG; ++m) {
-#pragma GCC unroll 4
-      for (int i = 0; i < A; ++i) tot[m][i] = _mm512_setzero_ps();
+      tot[m] = _mm512_setzero_ps();
       mins[m] = _mm256_setzero_ps();
     }
     for (int64_t s = 0; s < S; ++s) {
@@ -321,61 +322,58 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
       for (int64_t off = 0; off < bb; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(b + kPfAhead + off), _MM_HINT_T0);
       }
-      __m512i wv[4];
+      __m512i wv[4], scv[4];
       weight_bytes<T>(b, wv);
+      float d;
+      __m256 mnf = _mm256_setzero_ps();
       if constexpr (T == KType::kQ6K) {
-        const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192));
-        const __m512 scf = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc8)),
-                                         _mm512_set1_ps(fp16_at(b + 208)));
-#pragma GCC unroll 16
-        for (int m = 0; m < MG; ++m) {
-          const int64_t xm = (m0 + m) * K + s * kSuper;
-          const __m512 xd = _mm512_castps256_ps512(
-              _mm256_loadu_ps(a.scale.data() + (m0 + m) * B + s * 8));
-          const __m512 comb = _mm512_mul_ps(scf, _mm512_permutexvar_ps(pairs, xd));
+        // int8 scales as int16 with a zero high half (a negative one's sign bits would meet the
+        // sums' sign halves in VPDPWSSD)
+        const __m512i sc = _mm512_and_si512(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))),
+            low16);
 #pragma GCC unroll 4
-          for (int c = 0; c < 4; ++c) {
-            const __m512i init = _mm512_loadu_si512(corr + (xm + 64 * c) / 4);
-            const __m512i p = _mm512_dpbusd_epi32(init, wv[c],
-                                                  _mm512_loadu_si512(a.q.data() + xm + 64 * c));
-            tot[m][c % A] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                                            _mm512_permutexvar_ps(idx[c], comb), tot[m][c % A]);
-          }
-        }
+        for (int j = 0; j < 4; ++j) scv[j] = _mm512_permutexvar_epi32(idx[j], sc);
+        d = fp16_at(b + 208);
       } else {
         uint8_t sc[8], mn[8];
         scale_min_k4(b + 4, sc, mn);
-        const __m256 scf = _mm256_mul_ps(
-            _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
-                reinterpret_cast<const __m128i*>(sc)))), _mm256_set1_ps(fp16_at(b)));
-        const __m256 mnf = _mm256_mul_ps(
+        const __m512i sc32 = _mm512_castsi256_si512(
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) scv[j] = _mm512_permutexvar_epi32(idx[j], sc32);
+        d = fp16_at(b);
+        mnf = _mm256_mul_ps(
             _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(
                 reinterpret_cast<const __m128i*>(mn)))), _mm256_set1_ps(fp16_at(b + 2)));
+      }
 #pragma GCC unroll 16
-        for (int m = 0; m < MG; ++m) {
-          const int64_t xm = (m0 + m) * K + s * kSuper, xb = (m0 + m) * B + s * 8;
-          const __m512 comb = _mm512_castps256_ps512(
-              _mm256_mul_ps(scf, _mm256_loadu_ps(a.scale.data() + xb)));
+      for (int m = 0; m < MG; ++m) {
+        const int64_t xm = (m0 + m) * K + s * kSuper;
+        __m512i acc = _mm512_setzero_si512();
 #pragma GCC unroll 4
-          for (int j = 0; j < 4; ++j) {
-            const __m512i p = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wv[j],
-                                                  _mm512_loadu_si512(a.q.data() + xm + 64 * j));
-            tot[m][j % A] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(p),
-                                            _mm512_permutexvar_ps(idx[j], comb), tot[m][j % A]);
-          }
-          mins[m] = _mm256_fmadd_ps(mnf, _mm256_loadu_ps(a.sum.data() + xb), mins[m]);
+        for (int j = 0; j < 4; ++j) {
+          // Q6_K: the sums start at -32 x their activations' sum (stored q is q + 32)
+          const __m512i init = T == KType::kQ6K ? _mm512_loadu_si512(corr + (xm + 64 * j) / 4)
+                                                : _mm512_setzero_si512();
+          const __m512i p = _mm512_dpbusd_epi32(init, wv[j],
+                                                _mm512_loadu_si512(a.q.data() + xm + 64 * j));
+          acc = _mm512_dpwssd_epi32(acc, p, scv[j]);
+        }
+        const float dx = a.scale[(m0 + m) * S + s];
+        tot[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc), _mm512_set1_ps(d * dx), tot[m]);
+        if constexpr (T != KType::kQ6K) {
+          mins[m] = _mm256_fmadd_ps(mnf, _mm256_loadu_ps(a.sum.data() + (m0 + m) * B + s * 8),
+                                    mins[m]);
         }
       }
     }
 #pragma GCC unroll 16
     for (int m = 0; m < MG; ++m) {
-      __m512 t = tot[m][0];
-#pragma GCC unroll 4
-      for (int i = 1; i < A; ++i) t = _mm512_add_ps(t, tot[m][i]);
       __m128 h = _mm_add_ps(_mm256_castps256_ps128(mins[m]), _mm256_extractf128_ps(mins[m], 1));
       h = _mm_add_ps(h, _mm_movehl_ps(h, h));
       h = _mm_add_ss(h, _mm_movehdup_ps(h));
-      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(t) - _mm_cvtss_f32(h) +
+      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(tot[m]) - _mm_cvtss_f32(h) +
                             (bias != nullptr ? bias[n] : 0.f);
     }
   }
@@ -436,7 +434,7 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
                          const std::optional<at::Tensor>& bias) {
   Prepared p = prepare(x, blocks, type, bias);
   if (p.M == 0 || p.N == 0) return p.y;
-  const QuantX a = quantize_x(p.x.data_ptr<float>(), p.M, p.K);
+  const QuantX a = quantize_x(p.x.data_ptr<float>(), p.M, p.K, kSuper);
   const float* bp = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* yp = p.y.data_ptr<float>();
   std::vector<int32_t> corr;  // Q6_K: -32 x each 4 activations' sum (q - 32 as q + 32 - 32)
@@ -488,23 +486,35 @@ at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, 
   if (p.M == 0 || p.N == 0) return p.y;
   const int64_t K = p.K, N = p.N, M = p.M, row_bytes = K / kSuper * block_bytes(p.t);
   if (bf16) {
-    // The whole weight dequantized to bf16 (rows in parallel), then one bf16 GEMM over every
-    // thread (AVX512-BF16: twice float32's products an instruction) on the activations rounded
-    // to bf16, its output rounded to bf16 too. Per-tile GEMMs, one thread each, reached ~80
-    // GFLOPS here: oneDNN reorders each small tile; the transient weight (2 bytes an element)
-    // costs ~10 % of a 256-row product to make.
-    at::Tensor wb = at::empty({N, K}, p.x.options().dtype(at::kBFloat16));
-    auto* wp = reinterpret_cast<uint16_t*>(wb.data_ptr<at::BFloat16>());
-    at::parallel_for(0, N, 16, [&](int64_t r0, int64_t r1) {
-      std::vector<float> row(K);
-      for (int64_t r = r0; r < r1; ++r) {
-        dequant_row(p.t, p.w + r * row_bytes, K, row.data());
-        to_bf16(row.data(), K, wp + r * K);
-      }
-    });
-    at::Tensor out = at::mm(p.x.view({M, K}).to(at::kBFloat16), wb.t()).to(at::kFloat);
-    if (p.bias.defined()) out.add_(p.bias);
-    return out.view(p.y.sizes());
+    // Slabs of rows dequantized to bf16 (rows in parallel) into one buffer kept between calls,
+    // each multiplied by one bf16 GEMM over every thread (oneDNN; AVX512-BF16: twice float32's
+    // products an instruction) on the activations rounded to bf16, the output rounded to bf16
+    // too (torch's CPU mm has no bf16 -> float32 form). A slab of ~8 MiB is still in L3 when the
+    // GEMM reads it: 390 GFLOPS at 256 rows against 415 for the bf16 GEMM alone, where the whole
+    // weight at once (a fresh allocation each call: page faults, a trip through memory) gave
+    // 268. Per-tile GEMMs, one thread each, reached ~80: oneDNN reorders each small tile.
+    const int64_t slab = std::min(N, std::max<int64_t>(64, ((int64_t{4} << 20) / K) / 16 * 16));
+    thread_local at::Tensor buffer;
+    if (!buffer.defined() || buffer.numel() < slab * K) {
+      buffer = at::empty({slab * K}, p.x.options().dtype(at::kBFloat16));
+    }
+    auto* wp = reinterpret_cast<uint16_t*>(buffer.data_ptr<at::BFloat16>());
+    const at::Tensor xb = p.x.view({M, K}).to(at::kBFloat16);
+    at::Tensor y2 = p.y.view({M, N});
+    for (int64_t n0 = 0; n0 < N; n0 += slab) {
+      const int64_t rows = std::min(slab, N - n0);
+      at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+        std::vector<float> row(K);
+        for (int64_t r = r0; r < r1; ++r) {
+          dequant_row(p.t, p.w + (n0 + r) * row_bytes, K, row.data());
+          to_bf16(row.data(), K, wp + r * K);
+        }
+      });
+      const at::Tensor slab_w = buffer.narrow(0, 0, rows * K).view({rows, K});
+      y2.narrow(1, n0, rows).copy_(at::mm(xb, slab_w.t()));
+    }
+    if (p.bias.defined()) p.y.add_(p.bias);
+    return p.y;
   }
   const at::Tensor x2 = p.x.view({M, K});
   const float* bias_p = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;

@@ -1,6 +1,6 @@
 """The K-quant linear kernels (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored) against gguf's own
 numpy dequantizer: the weight bit for bit, the products within float32 rounding of the
-dequantized weight times the int8-per-32 activations (decode) or the activations as they are
+dequantized weight times the int8-per-256 activations (decode) or the activations as they are
 (dequantized tiles)."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def test_decode_kernel_matches_reference(qtype: Q, m: int, n: int, k: int) -> No
     raw = blocks(qtype, n, k, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n)
-    expected = quantize_activations(x) @ reference_weight(raw, qtype, k).T + bias
+    expected = quantize_activations(x, 256) @ reference_weight(raw, qtype, k).T + bias
     got = kq.kquant_linear(x, torch.from_numpy(raw), int(qtype), bias)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
@@ -87,7 +87,7 @@ def test_extreme_codes_and_activations_do_not_overflow(qtype: Q) -> None:
         raw.reshape(4, 2, size)[..., at:at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
     x = torch.full((3, 2 * per), 5.0)
     x[1] = -5.0
-    expected = quantize_activations(x) @ reference_weight(raw, qtype, 2 * per).T
+    expected = quantize_activations(x, 256) @ reference_weight(raw, qtype, 2 * per).T
     got = kq.kquant_linear(x, torch.from_numpy(raw), int(qtype))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
 
@@ -111,7 +111,7 @@ def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int) -> None:
     weight = QuantizedWeight(torch.from_numpy(raw), None, None, int(qtype))
     ref_w = reference_weight(raw, qtype, 1024)
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
-    act = quantize_activations(x) if rows <= kq.SMALL_M else x
+    act = quantize_activations(x, 256) if rows <= kq.SMALL_M else x
     expected = act @ ref_w.T
     got = QuantizedMatmul(weight, None)(x)
     tol = BF16_TOL if rows > kq.SMALL_M and kq.BF16_TILES else 1e-4
