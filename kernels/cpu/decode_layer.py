@@ -3,7 +3,8 @@
 At batch 1 the Python between a layer's native ops (module calls, views, checks, one dispatch
 each) cost ~0.11 ms a layer, ~3 ms a token next to ~18 ms of weight reads. The `decode_layer`
 op (csrc/decode_layer.cpp) runs the same ops (fused norm, small-M or oneDNN linears, rotary +
-KV store, paged decode attention, silu·up) back to back through the dispatcher: a decode step
+KV store, paged decode attention, silu·up; GGUF K-quant and bf16 weights through their own
+kernels) back to back through the dispatcher: a decode step
 at batch 1 / 16 / 64 took ~16 % / 10 % / 3 % less. Calling it once a layer from Python still
 parsed its 29 arguments each time; `DecodeStack` holds every layer's weights (given once at
 load) and runs all the layers in one call a step. The model's Python layers stay the reference
@@ -17,7 +18,9 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels.cpu import attention as cpu_attention
+from deepinfer.kernels.cpu import bf16_linear as cpu_bf16_linear
 from deepinfer.kernels.cpu import fused as cpu_fused
+from deepinfer.kernels.cpu import kquant_linear as cpu_kquant_linear
 from deepinfer.kernels.cpu import linear as cpu_linear
 from deepinfer.kernels.cpu import quant_linear as cpu_quant_linear
 from deepinfer.kernels.cpu.native import NativeOp
@@ -25,6 +28,7 @@ from deepinfer.kernels.cpu.native import NativeOp
 _OP = NativeOp("decode_layer", "decode_layer.cpp", "decode_layer")
 
 EMPTY = torch.empty(0)  # a weight with no plain copy (only the packed one is kept)
+PART_BF16 = 0  # a LinearWeights part that is a bf16 weight (else its ggml type: a K-quant)
 
 
 @dataclass(frozen=True)
@@ -42,9 +46,13 @@ class LinearWeights:
     scales: torch.Tensor | None = None
     mins: torch.Tensor | None = None
     int_gemm: bool = False  # quantized, and the integer GEMM takes it above 4 rows
+    # GGUF K-quant blocks or bf16 weights, as parts side by side (a Q4_K_M file's q, k and v
+    # differ in type): each part's kernel at any row count; `plain` is then EMPTY.
+    parts: tuple[torch.Tensor, ...] = ()
+    part_kinds: tuple[int, ...] = ()  # PART_BF16, or the part's ggml type
 
     def takes_any_rows(self) -> bool:
-        return self.packed is not None or self.int_gemm
+        return self.packed is not None or self.int_gemm or bool(self.parts)
 
 
 @dataclass(frozen=True)
@@ -87,10 +95,17 @@ def decode_stack(layers: list[DecodeLayerWeights]) -> torch.ScriptObject:
     stack = torch.classes.deepinfer_cpu.DecodeStack()
     for w in layers:
         linears = (w.qkv, w.o, w.gate_up, w.down)
+        parts = [(p, kind, i) for i, lin in enumerate(linears)
+                 for p, kind in zip(lin.parts, lin.part_kinds)]
+        if parts:
+            cpu_kquant_linear.available()  # the ops the parts call, loaded (built) now
+            cpu_bf16_linear.available()
         stack.add_layer(w.input_norm, w.post_norm, w.eps, w.qkv.plain, w.qkv.bias, w.o.plain,
                         w.gate_up.plain, w.down.plain, w.qkv.packed, w.o.packed,
                         w.gate_up.packed, w.down.packed, w.num_heads, w.num_kv_heads, w.scale,
-                        w.kv_group, [lin.scales for lin in linears], [lin.mins for lin in linears])
+                        w.kv_group, [lin.scales for lin in linears], [lin.mins for lin in linears],
+                        [p for p, _, _ in parts], [k for _, k, _ in parts],
+                        [i for _, _, i in parts], cpu_kquant_linear.BF16_TILES)
     return stack
 
 

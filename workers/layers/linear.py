@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.cpu import linear as cpu_linear
-from deepinfer.kernels.cpu.decode_layer import EMPTY, LinearWeights
+from deepinfer.kernels.cpu.decode_layer import EMPTY, PART_BF16, LinearWeights
 from deepinfer.workers.layers import gpu_kernels
 from deepinfer.workers.layers.checkpoint_tensor import materialize
 from deepinfer.workers.quantization.fp8 import quantize_fp8_weight
@@ -141,8 +141,14 @@ class Linear(nn.Module):
         """The weights as the one-call decode layer reads them; None when it cannot."""
         if self.quant is not None:
             q = self.quant
+            matmuls = q.parts if isinstance(q, _ConcatMatmul) else [q]
+            if all(m.native and m.weight.scales is None for m in matmuls):  # K-quant, bf16
+                return LinearWeights(EMPTY, None, self._b,
+                                     parts=tuple(m.weight.qweight for m in matmuls),
+                                     part_kinds=tuple(m.kquant if m.kquant is not None
+                                                      else PART_BF16 for m in matmuls))
             if not isinstance(q, QuantizedMatmul) or not q.native or q.weight.scales is None:
-                return None  # (K-quant blocks, bf16: the decode stack has no kernel for them)
+                return None
             # (With FBGEMM opted in, more than 4 rows stay on the Python path that calls it.)
             return LinearWeights(q.weight.qweight, q.tiles, self._b, q.weight.scales, q.weight.mins,
                                  int_gemm=q.int_gemm and q.packed is None)

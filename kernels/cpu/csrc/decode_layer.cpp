@@ -11,11 +11,16 @@
 // through the small-M kernel for up to 4 rows and the oneDNN-packed one above, as
 // workers/layers/linear.py does; a quantized weight (it comes with scales) goes to the
 // quantized small-M kernel (quant_linear.cpp) up to 4 rows, and above that (int8 and 4-bit)
-// to the integer GEMM there.
+// to the integer GEMM there. GGUF K-quant and bf16 weights come as parts (a Q4_K_M file's q, k
+// and v differ in type): each part's own kernel (kquant_linear.cpp, bf16_linear.cpp), side by
+// side.
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/cat.h>
+#include <ATen/ops/linear.h>
 #include <torch/library.h>
 
+#include <array>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,7 +68,47 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   return stack[0].toTensor();
 }
 
-at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
+// The kernels' own row limits for K-quant and bf16 weights (kernels/cpu/kquant_linear.py,
+// bf16_linear.py SMALL_M).
+constexpr int64_t kPartsSmallM = 16;
+constexpr int64_t kBf16Part = 0;  // a part's kind: 0 a bf16 weight, else its ggml type
+
+// A linear's weights as K-quant / bf16 parts, each the rows of the output it owns.
+struct Parts {
+  std::vector<at::Tensor> weights;
+  std::vector<int64_t> kinds;
+  bool bf16_tiles = false;  // K-quant above kPartsSmallM rows: bf16 tiles (oneDNN bf16 GEMM)
+};
+
+at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor& bias) {
+  const bool small = x.size(0) <= kPartsSmallM;
+  std::vector<at::Tensor> outs;
+  for (size_t i = 0; i < parts.weights.size(); ++i) {
+    const at::Tensor& w = parts.weights[i];
+    const int64_t kind = parts.kinds[i];
+    if (kind == kBf16Part) {
+      static const auto bf16_small_m =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+              "deepinfer_cpu::bf16_linear_small_m");
+      outs.push_back(small ? bf16_small_m.call(x, w, std::nullopt)
+                           : at::linear(x.to(at::kBFloat16), w).to(at::kFloat));
+    } else if (small) {
+      static const auto kquant =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
+              "deepinfer_cpu::kquant_linear");
+      outs.push_back(kquant.call(x, w, kind, std::nullopt));
+    } else {
+      static const auto kquant_tiles =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&, bool)>(
+              "deepinfer_cpu::kquant_dequant_linear");
+      outs.push_back(kquant_tiles.call(x, w, kind, std::nullopt, parts.bf16_tiles));
+    }
+  }
+  at::Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  return bias.has_value() ? y.add_(*bias) : y;
+}
+
+at::Tensor run_layer(const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                         const at::Tensor& qkv_weight, const OptTensor& qkv_bias,
                         const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
@@ -75,7 +120,8 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& slots, const at::Tensor& block_tables,
                         const at::Tensor& key_lo, const at::Tensor& key_hi, int64_t num_heads,
                         int64_t num_kv_heads, double scale, bool first_layer,
-                        const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins) {
+                        const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins,
+                        const std::array<Parts, 4>& parts) {
   static const auto norm =
       op<at::Tensor(const at::Tensor&, const OptTensor&, const at::Tensor&, double)>(
           "deepinfer_cpu::add_rms_norm");
@@ -97,19 +143,44 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
   const at::Tensor h = first_layer ? norm.call(x, std::nullopt, input_norm, eps)
                                    : norm.call(x, residual, input_norm, eps);
   TORCH_CHECK(scales.size() == 4 && mins.size() == 4, "one scale and min entry per linear");
-  const at::Tensor qkv = linear(h, qkv_weight, qkv_packed, qkv_bias, scales.get(0), mins.get(0));
+    // a linear given as parts (K-quant, bf16) or one weight
+  const auto project = [&](int i, const at::Tensor& in, const at::Tensor& w,
+                           const OptTensor& packed, const OptTensor& bias) {
+    return parts[i].weights.empty() ? linear(in, w, packed, bias, scales.get(i), mins.get(i))
+                                    : parts_linear(in, parts[i], bias);
+  };
+  const at::Tensor qkv = project(0, h, qkv_weight, qkv_packed, qkv_bias);
   const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
   const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
   const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
   const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
   rope.call(q, k, v, cos, sin, positions, k_cache, v_cache, slots);
   const at::Tensor o = attention.call(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale);
-  const at::Tensor attn_out =
-      linear(o.view({T, q_size}), o_weight, o_packed, std::nullopt, scales.get(1), mins.get(1));
+  const at::Tensor attn_out = project(1, o.view({T, q_size}), o_weight, o_packed, std::nullopt);
   const at::Tensor h2 = norm.call(attn_out, residual, post_norm, eps);
-  const at::Tensor act = silu_and_mul.call(
-      linear(h2, gate_up_weight, gate_up_packed, std::nullopt, scales.get(2), mins.get(2)));
-  return linear(act, down_weight, down_packed, std::nullopt, scales.get(3), mins.get(3));
+  const at::Tensor act =
+      silu_and_mul.call(project(2, h2, gate_up_weight, gate_up_packed, std::nullopt));
+  return project(3, act, down_weight, down_packed, std::nullopt);
+}
+
+at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
+                        const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
+                        const at::Tensor& qkv_weight, const OptTensor& qkv_bias,
+                        const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
+                        const at::Tensor& down_weight, const OptTensor& qkv_packed,
+                        const OptTensor& o_packed, const OptTensor& gate_up_packed,
+                        const OptTensor& down_packed, const at::Tensor& cos,
+                        const at::Tensor& sin, const at::Tensor& positions,
+                        const at::Tensor& k_cache, const at::Tensor& v_cache,
+                        const at::Tensor& slots, const at::Tensor& block_tables,
+                        const at::Tensor& key_lo, const at::Tensor& key_hi, int64_t num_heads,
+                        int64_t num_kv_heads, double scale, bool first_layer,
+                        const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins) {
+  return run_layer(x, residual, input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
+                   gate_up_weight, down_weight, qkv_packed, o_packed, gate_up_packed,
+                   down_packed, cos, sin, positions, k_cache, v_cache, slots, block_tables,
+                   key_lo, key_hi, num_heads, num_kv_heads, scale, first_layer, scales, mins,
+                   {});
 }
 
 // A model's decode layers, called in one go: torch.classes.deepinfer_cpu.DecodeStack. The
@@ -125,11 +196,24 @@ class DecodeStack : public torch::CustomClassHolder {
                  const OptTensor& o_packed, const OptTensor& gate_up_packed,
                  const OptTensor& down_packed, int64_t num_heads, int64_t num_kv_heads,
                  double scale, int64_t kv_group, const c10::List<OptTensor>& scales,
-                 const c10::List<OptTensor>& mins) {
+                 const c10::List<OptTensor>& mins, const std::vector<at::Tensor>& parts,
+                 const std::vector<int64_t>& part_kinds, const std::vector<int64_t>& part_of,
+                 bool bf16_tiles) {
     TORCH_CHECK(kv_group >= 0, "kv_group must be >= 0");
+    TORCH_CHECK(part_kinds.size() == parts.size() && part_of.size() == parts.size(),
+                "one kind and one linear (0-3) per part");
+    std::array<Parts, 4> by_linear;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      TORCH_CHECK(part_of[i] >= 0 && part_of[i] < 4, "a part's linear must be 0-3");
+      Parts& p = by_linear[part_of[i]];
+      p.weights.push_back(parts[i]);
+      p.kinds.push_back(part_kinds[i]);
+      p.bf16_tiles = bf16_tiles;
+    }
     layers_.push_back(Layer{input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
                             gate_up_weight, down_weight, qkv_packed, o_packed, gate_up_packed,
-                            down_packed, num_heads, num_kv_heads, scale, kv_group, scales, mins});
+                            down_packed, num_heads, num_kv_heads, scale, kv_group, scales, mins,
+                            by_linear});
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -156,11 +240,12 @@ class DecodeStack : public torch::CustomClassHolder {
       const Layer& l = layers_[i];
       const auto g = static_cast<size_t>(l.kv_group);
       TORCH_CHECK(g < groups, "layer ", i, " reads KV group ", g, " of ", groups);
-      out = decode_layer(out, x, l.input_norm, l.post_norm, l.eps, l.qkv_weight, l.qkv_bias,
+      out = run_layer(out, x, l.input_norm, l.post_norm, l.eps, l.qkv_weight, l.qkv_bias,
                          l.o_weight, l.gate_up_weight, l.down_weight, l.qkv_packed, l.o_packed,
                          l.gate_up_packed, l.down_packed, cos, sin, positions, k_caches[i],
                          v_caches[i], slots[g], block_tables[g], key_lo[g], key_hi[g],
-                         l.num_heads, l.num_kv_heads, l.scale, i == 0, l.scales, l.mins);
+                         l.num_heads, l.num_kv_heads, l.scale, i == 0, l.scales, l.mins,
+                         l.parts);
     }
     return out;
   }
@@ -177,6 +262,7 @@ class DecodeStack : public torch::CustomClassHolder {
     double scale;
     int64_t kv_group;
     c10::List<OptTensor> scales, mins;
+    std::array<Parts, 4> parts;  // K-quant / bf16 linears (empty: the weight above)
   };
   std::vector<Layer> layers_;
 };

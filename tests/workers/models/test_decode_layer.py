@@ -92,3 +92,71 @@ def test_quantized_weights_match_python_layers(tmp_path, quantization: str, batc
         ours, ref = fast.all_logits(plan), slow.all_logits(plan)
         assert (ours - ref).abs().max().item() < 1e-4, f"step {plan.step_id}"
     assert len(one_call) == 7  # every decode step went through the one-call layer
+
+
+# GGUF K-quant types and a bf16 weight, cycled over a layer's parts (q, k, v; gate, up; ...)
+_PART_TYPES = [12, 14, 13, None]  # Q4_K, Q6_K, Q5_K, bf16
+
+
+def _part_weight(kind: int | None, rows: int, cols: int, rng: np.random.Generator):
+    """Random super-blocks with small fp16 factors like a trained layer's (any codes are
+    valid), or a bf16 weight."""
+    from deepinfer.workers.quantization.weight import KQUANTS, QuantizedWeight
+
+    if kind is None:
+        return QuantizedWeight(torch.from_numpy(
+            rng.standard_normal((rows, cols), dtype=np.float32) * 0.05).bfloat16(), None)
+    size = KQUANTS[kind][1]
+    raw = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    for at in ((208,) if kind == 14 else (0, 2)):
+        d = rng.uniform(1e-4, 1e-3, (rows, cols // 256, 1)).astype(np.float16)
+        raw[..., at:at + 2] = d.view(np.uint8)
+    return QuantizedWeight(torch.from_numpy(raw.reshape(rows, -1)), None, None, kind)
+
+
+def _as_kquant_parts(runner, seed: int) -> None:
+    """Every decoder linear becomes parts of mixed K-quant / bf16 weights (as a Q4_K_M file's
+    q | k | v), the same for every runner given the same seed."""
+    from deepinfer.workers.layers.linear import Linear
+
+    rng = np.random.default_rng(seed)
+    n = 0
+    for mod in runner.model.model.layers.modules():
+        if not isinstance(mod, Linear):
+            continue
+        rows = ({name: size for name, (_, size) in mod.parts.items()}
+                if getattr(mod, "parts", None) else {"w": mod.out_features})
+        mod.quantized_parts = {}
+        for name, r in rows.items():
+            mod.quantized_parts[name] = _part_weight(_PART_TYPES[n % 4], r, mod.in_features, rng)
+            n += 1
+        assert mod._finalize_quantized(None)
+    runner.model.model.finalize()
+
+
+@pytest.mark.parametrize("batch", [3, 20])  # the parts' small-M kernels / their GEMM paths
+def test_kquant_and_bf16_parts_match_python_layers(tmp_path, batch: int) -> None:
+    """GGUF K-quant and bf16 linears (parts of mixed types side by side) inside the one-call
+    layer against the Python layers calling the same kernels one by one."""
+    from deepinfer.workers.model_runner import ModelRunner
+
+    model_dir = save_tiny_model(tmp_path, "llama", hidden_size=256, intermediate_size=512,
+                                num_hidden_layers=2)
+    cfg = EngineConfig(model=str(model_dir), num_kv_blocks=10 * batch, block_size=4)
+    fast, slow = ModelRunner(cfg), ModelRunner(cfg)
+    _as_kquant_parts(fast, 5)
+    _as_kquant_parts(slow, 5)
+    layer = fast.model.model.fast_layers[0]
+    assert set(layer.qkv.part_kinds) == {12, 14, 13} and 0 in layer.gate_up.part_kinds + \
+        layer.down.part_kinds + layer.o.part_kinds, "every kind of part should be in use"
+    slow.model.model.fast_layers = None
+    rng = np.random.default_rng(2)
+    prompts = {f"r{i}": rng.integers(3, 40000, 5).tolist() for i in range(batch)}
+    model, one_call = fast.model.model, []
+    inner = model._decode_fast
+    model._decode_fast = lambda *a: one_call.append(1) or inner(*a)
+    for plan in prompt_then_decodes(prompts, 4, rng):
+        ours, ref = fast.all_logits(plan), slow.all_logits(plan)
+        assert (ours - ref).abs().max().item() < 1e-4 * max(1.0, ref.abs().max().item()), \
+            f"step {plan.step_id}"
+    assert len(one_call) == 4  # every decode step went through the one-call layer
