@@ -40,7 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def runner(model: str, quantization: str | None, threads: int):
+def runner(model: str, quantization: str | None, threads: int, python_layers: bool = False):
+    """A batch-1 decode step after a 128-token prompt (`python_layers`: without the one-call
+    decode layer)."""
     from deepinfer.engine.config import EngineConfig
     from deepinfer.engine.protocol import (
         NewRequestInfo,
@@ -54,6 +56,8 @@ def runner(model: str, quantization: str | None, threads: int):
     cfg = EngineConfig(model=model, num_kv_blocks=64, block_size=16, quantization=quantization,
                        worker_threads=threads)
     r = ModelRunner(cfg)
+    if python_layers:
+        r.model.model.fast_layers = None
     table = np.arange(0, 32, dtype=np.int32).tobytes()
     first = ScheduledSeq("a", pack_ids(PROMPT), 0, [table], True)
     r.all_logits(StepPlan(0, [first], new_requests=[

@@ -1,0 +1,108 @@
+"""The K-quant kernels alone, on a GGUF file's own tensors (issue 54's kernel figures).
+
+    .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf decode
+    .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf prefill --rows 256
+    .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf stack
+
+* decode: every K-quant linear of the decoder layers once (one token's weight reads), at 1 and
+  8 rows through `kquant_linear`: best of 6 passes, ms and GB/s of weight bytes;
+* prefill: the first two layers' linears at `--rows` rows through `kquant_dequant_linear`
+  (bf16 slabs + oneDNN): best of 4, GFLOPS;
+* stack: a batch-1 decode step (`ModelRunner.all_logits`, 128-token prompt) with and without the
+  one-call decode layer, alternated step by step in one process: medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def kquant_weights(path: str) -> list[tuple[str, torch.Tensor, int, int]]:
+    from deepinfer.engine.model_store.gguf_index import read_index
+
+    out = []
+    for t in read_index(path).tensors:
+        if t.name.startswith("blk.") and t.tensor_type.value in (12, 13, 14) and len(t.shape) == 2:
+            out.append((t.name, torch.from_numpy(t.data), t.tensor_type.value, int(t.shape[0])))
+    return out
+
+
+def decode(path: str) -> None:
+    from deepinfer.kernels.cpu import kquant_linear as kq
+
+    ws = kquant_weights(path)
+    nbytes = sum(b.numel() for _, b, _, _ in ws)
+    for m in (1, 8):
+        xs = {k: torch.randn(m, k) for *_, k in ws}
+        best = float("inf")
+        for _ in range(6):
+            start = time.perf_counter()
+            for _, b, ty, k in ws:
+                kq.kquant_linear(xs[k], b, ty)
+            best = min(best, time.perf_counter() - start)
+        print(f"{len(ws)} linears, {nbytes / 1e6:.0f} MB, {m} row(s): {best * 1e3:.1f} ms "
+              f"({nbytes / best / 1e9:.1f} GB/s)")
+
+
+def prefill(path: str, rows: int) -> None:
+    from deepinfer.kernels.cpu import kquant_linear as kq
+
+    ws = [w for w in kquant_weights(path) if w[0].startswith(("blk.0.", "blk.1."))]
+    flops = sum(2 * rows * k * b.shape[0] for _, b, _, k in ws)
+    xs = {k: torch.randn(rows, k) for *_, k in ws}
+    best = float("inf")
+    for _ in range(4):
+        start = time.perf_counter()
+        for _, b, ty, k in ws:
+            kq.kquant_dequant_linear(xs[k], b, ty)
+        best = min(best, time.perf_counter() - start)
+    print(f"two layers at {rows} rows: {best * 1e3:.1f} ms ({flops / best / 1e9:.0f} GFLOPS)")
+
+
+def stack(path: str, steps: int) -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_decode_step import runner  # noqa: E402  (sibling script)
+
+    from deepinfer.engine.model_store import prepare_gguf_model
+
+    model = str(prepare_gguf_model(Path(path)))
+    threads = torch.get_num_threads()
+    runs = {"one-call decode layer": runner(model, None, threads),
+            "Python layers": runner(model, None, threads, python_layers=True)}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    with torch.inference_mode():
+        for i in range(steps):
+            for name, step in runs.items():
+                start = time.perf_counter()
+                step(i, 128 + i)
+                times[name].append(time.perf_counter() - start)
+    for name, t in times.items():
+        print(f"{name:<22} {statistics.median(t[5:]) * 1e3:.2f} ms a step")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gguf")
+    ap.add_argument("mode", choices=["decode", "prefill", "stack"])
+    ap.add_argument("--rows", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=80)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if args.mode == "decode":
+        decode(args.gguf)
+    elif args.mode == "prefill":
+        prefill(args.gguf, args.rows)
+    else:
+        stack(args.gguf, args.steps)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
