@@ -20,8 +20,12 @@ process use it, the native build dies with SIGILL in ggml's AMX matmul on quanti
 
     cmake -B build -G Ninja -DCMAKE_BUILD_TYPE=Release -DLLAMA_BUILD_TESTS=OFF \
         -DLLAMA_BUILD_EXAMPLES=OFF -DGGML_NATIVE=OFF -DGGML_SSE42=ON -DGGML_AVX=ON \
-        -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX_VNNI=ON \
+        -DGGML_AVX2=ON -DGGML_BMI2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
         -DGGML_AVX512=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON
+
+Turn GGML_AVX_VNNI on only where /proc/cpuinfo lists `avx_vnni` (the VEX form; AMD Zen 4 has
+only `avx512_vnni`): without it, Q8_0 files die with SIGILL at their first product (tinyBLAS's
+`{vex} vpdpbusd`).
 
 Invariants the benchmarks rely on:
 
@@ -134,8 +138,10 @@ def _exit_hint(returncode: int) -> str:
     if returncode == -signal.SIGILL:
         # Seen on a VM whose CPU flags list AMX but whose hypervisor does not enable it: a
         # -march=native build then faults in ggml's AMX matmul (quantized weights only).
+        # And a build with GGML_AVX_VNNI on a CPU without AVX-VNNI (Zen 4) faults on Q8_0.
         return (" (SIGILL: if the CPU lists AMX, run with LLAMA_ARG_REPACK=false or build with "
-                "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16)")
+                "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16; without avx_vnni in /proc/cpuinfo, "
+                "build with GGML_AVX_VNNI=OFF)")
     return ""
 
 
