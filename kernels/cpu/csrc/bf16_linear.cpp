@@ -27,7 +27,7 @@
 
 namespace {
 
-constexpr int64_t kGroupM = 4;     // activation rows one pass over a weight row takes
+constexpr int64_t kGroupM = 8;     // activation rows one pass over a weight row takes
 constexpr int64_t kPfAhead = 4096;  // weight bytes prefetched ahead (as quant_linear.cpp)
 
 inline uint16_t to_bf16(float f) {  // round to nearest even (finite inputs), as torch does
@@ -85,6 +85,41 @@ void rows_dot(const uint16_t* xb, const uint16_t* w, int64_t K, const float* bia
     }
   }
 }
+
+// 4 to 8 activation rows: weight rows in pairs, so that each activation load feeds two
+// dot-product instructions (one a row). Loading the activations once per weight row made 8 rows
+// load-bound: 8 rows took 1.6x the time of 1, ~125 GFLOPS.
+template <int MG>
+void rows_dot_pairs(const uint16_t* xb, const uint16_t* w, int64_t K, const float* bias,
+                    float* y, int64_t N, int64_t m0, int64_t n0, int64_t n1) {
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint16_t* r0 = w + n * K;
+    const uint16_t* r1 = r0 + K;
+    __m512 acc[MG][2];
+#pragma GCC unroll 16
+    for (int m = 0; m < MG; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      _mm_prefetch(reinterpret_cast<const char*>(r0 + k) + kPfAhead, _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(r1 + k) + kPfAhead, _MM_HINT_T0);
+      const __m512bh w0 = (__m512bh)_mm512_loadu_si512(r0 + k);
+      const __m512bh w1 = (__m512bh)_mm512_loadu_si512(r1 + k);
+#pragma GCC unroll 16
+      for (int m = 0; m < MG; ++m) {
+        const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + (m0 + m) * K + k);
+        acc[m][0] = _mm512_dpbf16_ps(acc[m][0], w0, xv);
+        acc[m][1] = _mm512_dpbf16_ps(acc[m][1], w1, xv);
+      }
+    }
+#pragma GCC unroll 16
+    for (int m = 0; m < MG; ++m) {
+      y[(m0 + m) * N + n] = _mm512_reduce_add_ps(acc[m][0]) + (bias != nullptr ? bias[n] : 0.f);
+      y[(m0 + m) * N + n + 1] =
+          _mm512_reduce_add_ps(acc[m][1]) + (bias != nullptr ? bias[n + 1] : 0.f);
+    }
+  }
+  if (n < n1) rows_dot<MG>(xb, w, K, bias, y, N, m0, n, n1);
+}
 #endif
 
 void rows_scalar(const uint16_t* xb, const uint16_t* w, int64_t K, const float* bias, float* y,
@@ -138,7 +173,11 @@ at::Tensor bf16_linear_small_m(const at::Tensor& x, const at::Tensor& weight,
             case 1: rows_dot<1>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
             case 2: rows_dot<2>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
             case 3: rows_dot<3>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
-            default: rows_dot<4>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
+            case 4: rows_dot_pairs<4>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
+            case 5: rows_dot_pairs<5>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
+            case 6: rows_dot_pairs<6>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
+            case 7: rows_dot_pairs<7>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
+            default: rows_dot_pairs<8>(xb.data(), wp, K, bp, yp, N, m0, r0, r1); break;
           }
           continue;
         }
