@@ -33,6 +33,15 @@ def kquant_weights(path: str) -> list[tuple[str, torch.Tensor, int, int]]:
     return out
 
 
+def best_seconds(repeats: int, run) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def decode(path: str) -> None:
     from deepinfer.kernels.cpu import kquant_linear as kq
 
@@ -40,12 +49,7 @@ def decode(path: str) -> None:
     nbytes = sum(b.numel() for _, b, _, _ in ws)
     for m in (1, 8):
         xs = {k: torch.randn(m, k) for *_, k in ws}
-        best = float("inf")
-        for _ in range(6):
-            start = time.perf_counter()
-            for _, b, ty, k in ws:
-                kq.kquant_linear(xs[k], b, ty)
-            best = min(best, time.perf_counter() - start)
+        best = best_seconds(6, lambda xs=xs: [kq.kquant_linear(xs[k], b, ty) for _, b, ty, k in ws])
         print(f"{len(ws)} linears, {nbytes / 1e6:.0f} MB, {m} row(s): {best * 1e3:.1f} ms "
               f"({nbytes / best / 1e9:.1f} GB/s)")
 
@@ -56,12 +60,7 @@ def prefill(path: str, rows: int) -> None:
     ws = [w for w in kquant_weights(path) if w[0].startswith(("blk.0.", "blk.1."))]
     flops = sum(2 * rows * k * b.shape[0] for _, b, _, k in ws)
     xs = {k: torch.randn(rows, k) for *_, k in ws}
-    best = float("inf")
-    for _ in range(4):
-        start = time.perf_counter()
-        for _, b, ty, k in ws:
-            kq.kquant_dequant_linear(xs[k], b, ty)
-        best = min(best, time.perf_counter() - start)
+    best = best_seconds(4, lambda: [kq.kquant_dequant_linear(xs[k], b, ty) for _, b, ty, k in ws])
     print(f"two layers at {rows} rows: {best * 1e3:.1f} ms ({flops / best / 1e9:.0f} GFLOPS)")
 
 

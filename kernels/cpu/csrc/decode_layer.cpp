@@ -108,20 +108,26 @@ at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor
   return bias.has_value() ? y.add_(*bias) : y;
 }
 
-at::Tensor run_layer(const at::Tensor& x, const at::Tensor& residual,
-                        const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
-                        const at::Tensor& qkv_weight, const OptTensor& qkv_bias,
-                        const at::Tensor& o_weight, const at::Tensor& gate_up_weight,
-                        const at::Tensor& down_weight, const OptTensor& qkv_packed,
-                        const OptTensor& o_packed, const OptTensor& gate_up_packed,
-                        const OptTensor& down_packed, const at::Tensor& cos,
-                        const at::Tensor& sin, const at::Tensor& positions,
-                        const at::Tensor& k_cache, const at::Tensor& v_cache,
-                        const at::Tensor& slots, const at::Tensor& block_tables,
-                        const at::Tensor& key_lo, const at::Tensor& key_hi, int64_t num_heads,
-                        int64_t num_kv_heads, double scale, bool first_layer,
-                        const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins,
-                        const std::array<Parts, 4>& parts) {
+// One layer's weights and shapes, as DecodeStack keeps them (given once at load).
+struct LayerWeights {
+  at::Tensor input_norm, post_norm;
+  double eps;
+  at::Tensor qkv_weight;
+  OptTensor qkv_bias;
+  at::Tensor o_weight, gate_up_weight, down_weight;
+  OptTensor qkv_packed, o_packed, gate_up_packed, down_packed;
+  int64_t num_heads, num_kv_heads;
+  double scale;
+  int64_t kv_group;
+  c10::List<OptTensor> scales, mins;
+  std::array<Parts, 4> parts;  // K-quant / bf16 linears (empty: the weight above)
+};
+
+at::Tensor run_layer(const at::Tensor& x, const at::Tensor& residual, const LayerWeights& l,
+                     const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& positions,
+                     const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& slots, const at::Tensor& block_tables,
+                     const at::Tensor& key_lo, const at::Tensor& key_hi, bool first_layer) {
   static const auto norm =
       op<at::Tensor(const at::Tensor&, const OptTensor&, const at::Tensor&, double)>(
           "deepinfer_cpu::add_rms_norm");
@@ -140,29 +146,33 @@ at::Tensor run_layer(const at::Tensor& x, const at::Tensor& residual,
   TORCH_CHECK(x.dim() == 2 && residual.sizes() == x.sizes(),
               "x and residual must be [tokens, hidden]");
   // Layer 0: the residual stream starts as x itself (the caller passes x as `residual`).
-  const at::Tensor h = first_layer ? norm.call(x, std::nullopt, input_norm, eps)
-                                   : norm.call(x, residual, input_norm, eps);
-  TORCH_CHECK(scales.size() == 4 && mins.size() == 4, "one scale and min entry per linear");
-    // a linear given as parts (K-quant, bf16) or one weight
+  const at::Tensor h = first_layer ? norm.call(x, std::nullopt, l.input_norm, l.eps)
+                                   : norm.call(x, residual, l.input_norm, l.eps);
+  TORCH_CHECK(l.scales.size() == 4 && l.mins.size() == 4, "one scale and min entry per linear");
+  // a linear given as parts (K-quant, bf16) or one weight
   const auto project = [&](int i, const at::Tensor& in, const at::Tensor& w,
                            const OptTensor& packed, const OptTensor& bias) {
-    return parts[i].weights.empty() ? linear(in, w, packed, bias, scales.get(i), mins.get(i))
-                                    : parts_linear(in, parts[i], bias);
+    return l.parts[i].weights.empty()
+               ? linear(in, w, packed, bias, l.scales.get(i), l.mins.get(i))
+               : parts_linear(in, l.parts[i], bias);
   };
-  const at::Tensor qkv = project(0, h, qkv_weight, qkv_packed, qkv_bias);
-  const int64_t q_size = num_heads * D, kv_size = num_kv_heads * D;
-  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, num_heads, D});
-  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, num_kv_heads, D});
-  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, num_kv_heads, D});
+  const at::Tensor qkv = project(0, h, l.qkv_weight, l.qkv_packed, l.qkv_bias);
+  const int64_t q_size = l.num_heads * D, kv_size = l.num_kv_heads * D;
+  const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, l.num_heads, D});
+  const at::Tensor k = qkv.narrow(1, q_size, kv_size).view({T, l.num_kv_heads, D});
+  const at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({T, l.num_kv_heads, D});
   rope.call(q, k, v, cos, sin, positions, k_cache, v_cache, slots);
-  const at::Tensor o = attention.call(q, k_cache, v_cache, block_tables, key_lo, key_hi, scale);
-  const at::Tensor attn_out = project(1, o.view({T, q_size}), o_weight, o_packed, std::nullopt);
-  const at::Tensor h2 = norm.call(attn_out, residual, post_norm, eps);
+  const at::Tensor o =
+      attention.call(q, k_cache, v_cache, block_tables, key_lo, key_hi, l.scale);
+  const at::Tensor attn_out =
+      project(1, o.view({T, q_size}), l.o_weight, l.o_packed, std::nullopt);
+  const at::Tensor h2 = norm.call(attn_out, residual, l.post_norm, l.eps);
   const at::Tensor act =
-      silu_and_mul.call(project(2, h2, gate_up_weight, gate_up_packed, std::nullopt));
-  return project(3, act, down_weight, down_packed, std::nullopt);
+      silu_and_mul.call(project(2, h2, l.gate_up_weight, l.gate_up_packed, std::nullopt));
+  return project(3, act, l.down_weight, l.down_packed, std::nullopt);
 }
 
+// One layer as an op, its weights passed in (DecodeStack keeps them instead).
 at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& input_norm, const at::Tensor& post_norm, double eps,
                         const at::Tensor& qkv_weight, const OptTensor& qkv_bias,
@@ -176,11 +186,11 @@ at::Tensor decode_layer(const at::Tensor& x, const at::Tensor& residual,
                         const at::Tensor& key_lo, const at::Tensor& key_hi, int64_t num_heads,
                         int64_t num_kv_heads, double scale, bool first_layer,
                         const c10::List<OptTensor>& scales, const c10::List<OptTensor>& mins) {
-  return run_layer(x, residual, input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
-                   gate_up_weight, down_weight, qkv_packed, o_packed, gate_up_packed,
-                   down_packed, cos, sin, positions, k_cache, v_cache, slots, block_tables,
-                   key_lo, key_hi, num_heads, num_kv_heads, scale, first_layer, scales, mins,
-                   {});
+  const LayerWeights l{input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
+                       gate_up_weight, down_weight, qkv_packed, o_packed, gate_up_packed,
+                       down_packed, num_heads, num_kv_heads, scale, 0, scales, mins, {}};
+  return run_layer(x, residual, l, cos, sin, positions, k_cache, v_cache, slots, block_tables,
+                   key_lo, key_hi, first_layer);
 }
 
 // A model's decode layers, called in one go: torch.classes.deepinfer_cpu.DecodeStack. The
@@ -210,10 +220,10 @@ class DecodeStack : public torch::CustomClassHolder {
       p.kinds.push_back(part_kinds[i]);
       p.bf16_tiles = bf16_tiles;
     }
-    layers_.push_back(Layer{input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
-                            gate_up_weight, down_weight, qkv_packed, o_packed, gate_up_packed,
-                            down_packed, num_heads, num_kv_heads, scale, kv_group, scales, mins,
-                            by_linear});
+    layers_.push_back(LayerWeights{input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,
+                                   gate_up_weight, down_weight, qkv_packed, o_packed,
+                                   gate_up_packed, down_packed, num_heads, num_kv_heads, scale,
+                                   kv_group, scales, mins, by_linear});
   }
 
   int64_t size() const { return static_cast<int64_t>(layers_.size()); }
@@ -237,34 +247,17 @@ class DecodeStack : public torch::CustomClassHolder {
                 "slots, block tables and key ranges: one of each per KV group");
     at::Tensor out = x;
     for (size_t i = 0; i < n; ++i) {
-      const Layer& l = layers_[i];
+      const LayerWeights& l = layers_[i];
       const auto g = static_cast<size_t>(l.kv_group);
       TORCH_CHECK(g < groups, "layer ", i, " reads KV group ", g, " of ", groups);
-      out = run_layer(out, x, l.input_norm, l.post_norm, l.eps, l.qkv_weight, l.qkv_bias,
-                         l.o_weight, l.gate_up_weight, l.down_weight, l.qkv_packed, l.o_packed,
-                         l.gate_up_packed, l.down_packed, cos, sin, positions, k_caches[i],
-                         v_caches[i], slots[g], block_tables[g], key_lo[g], key_hi[g],
-                         l.num_heads, l.num_kv_heads, l.scale, i == 0, l.scales, l.mins,
-                         l.parts);
+      out = run_layer(out, x, l, cos, sin, positions, k_caches[i], v_caches[i], slots[g],
+                      block_tables[g], key_lo[g], key_hi[g], i == 0);
     }
     return out;
   }
 
  private:
-  struct Layer {
-    at::Tensor input_norm, post_norm;
-    double eps;
-    at::Tensor qkv_weight;
-    OptTensor qkv_bias;
-    at::Tensor o_weight, gate_up_weight, down_weight;
-    OptTensor qkv_packed, o_packed, gate_up_packed, down_packed;
-    int64_t num_heads, num_kv_heads;
-    double scale;
-    int64_t kv_group;
-    c10::List<OptTensor> scales, mins;
-    std::array<Parts, 4> parts;  // K-quant / bf16 linears (empty: the weight above)
-  };
-  std::vector<Layer> layers_;
+  std::vector<LayerWeights> layers_;
 };
 
 }  // namespace
