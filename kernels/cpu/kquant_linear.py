@@ -1,12 +1,14 @@
 """Linear layers on GGUF K-quant weights (Q4_K, Q5_K, Q6_K) as the file stores them, on CPU:
 native kernels (csrc/kquant_linear.cpp).
 
-- `kquant_linear`: decode batches (up to SMALL_M rows), bound by reading the weight: the
-  super-blocks stream once for all rows, activations meet them as int8 per block of 32.
-- `kquant_dequant_linear`: any M, through dequantized tiles and a GEMM (prefill): bf16 tiles,
-  activations and products where oneDNN has a bf16 GEMM (AVX512-BF16: ~2x float32's at 256
-  rows here; the tile, the activations and the output rounded to bf16, 2^-9 relative each),
-  else float32.
+- `kquant_linear`: activations as int8 per 256 (llama.cpp's Q8_K). Decode batches (up to
+  SMALL_M rows) are bound by reading the weight: the super-blocks stream once for all rows.
+  Where `int8_tiles()` (AVX512-VNNI), more rows (prefill) go through u8 tiles of the weight and
+  an integer GEMM: 64 products an instruction, twice a bf16 GEMM's.
+- `kquant_dequant_linear`: any M, through dequantized tiles and a GEMM (prefill without
+  AVX512-VNNI): bf16 tiles, activations and products where oneDNN has a bf16 GEMM
+  (AVX512-BF16: ~2x float32's at 256 rows here; the tile, the activations and the output rounded
+  to bf16, 2^-9 relative each), else float32.
 - `kquant_dequantize`: the float32 rows (embedding lookups, the reference's weight).
 
 `blocks` is uint8 [N, K / 256 * block bytes] (workers/quantization/weight.py's "k-quant"
@@ -29,13 +31,20 @@ def available(*tensors: torch.Tensor) -> bool:
     return _OP.available(*tensors)
 
 
+def int8_tiles() -> bool:
+    """True when `kquant_linear` takes any row count (the build has AVX512-VNNI): callers
+    need `kquant_dequant_linear` above SMALL_M only where this is False."""
+    return available() and bool(_OP.sibling("kquant_int8_tiles")())
+
+
 def build_error() -> str | None:
     return _OP.error
 
 
 def kquant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] float32 -> [..., N], reading the blocks once for all rows."""
+    """x [..., K] float32 -> [..., N]: up to SMALL_M rows reading the blocks once for all of
+    them; more through int8 tiles where `int8_tiles()` (else one element at a time: slow)."""
     return _OP(x, blocks, ggml_type, bias)
 
 

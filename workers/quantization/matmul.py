@@ -15,7 +15,8 @@
   as they are.
 - K-quants (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored): kernels/cpu/kquant_linear.py, the
   streaming kernel up to its SMALL_M rows (16: an 8-stream decode step reads the weight once),
-  dequantized tiles and a float32 GEMM above.
+  an integer GEMM on int8 activations above (AVX512-VNNI; else dequantized tiles and a bf16 or
+  float32 GEMM).
 - bf16 (a bf16 checkpoint's weights under a float32 model): kernels/cpu/bf16_linear.py, the
   AVX512-BF16 streaming kernel up to 16 rows, oneDNN's bf16 GEMM above; activations rounded to
   bf16 in both.
@@ -78,9 +79,10 @@ class QuantizedMatmul:
         self.bias = bias
         self.kquant = weight.ggml_type
         self.packed = self.tiles = None
-        self.int_gemm = False
+        self.int_gemm = self.kquant_int8_tiles = False
         if self.kquant is not None:  # K-quant blocks: their own kernels, no packed copy
             self.native = weight.qweight.device.type == "cpu" and kquant_linear.available()
+            self.kquant_int8_tiles = self.native and kquant_linear.int8_tiles()
             return
         if weight.kind == "bf16":
             self.native = weight.qweight.device.type == "cpu" and bf16_linear.available()
@@ -114,7 +116,7 @@ class QuantizedMatmul:
                 return bf16_linear.bf16_linear_small_m(x, w.qweight, self.bias)
             return bf16_linear.bf16_linear(x, w.qweight, self.bias)
         if self.kquant is not None:
-            if rows <= kquant_linear.SMALL_M:
+            if rows <= kquant_linear.SMALL_M or self.kquant_int8_tiles:
                 return kquant_linear.kquant_linear(x, w.qweight, self.kquant, self.bias)
             return kquant_linear.kquant_dequant_linear(x, w.qweight, self.kquant, self.bias)
         if rows <= SMALL_M:

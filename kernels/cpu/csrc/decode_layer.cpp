@@ -77,8 +77,14 @@ constexpr int64_t kBf16Part = 0;  // a part's kind: 0 a bf16 weight, else its gg
 struct Parts {
   std::vector<at::Tensor> weights;
   std::vector<int64_t> kinds;
-  bool bf16_tiles = false;  // K-quant above kPartsSmallM rows: bf16 tiles (oneDNN bf16 GEMM)
+  bool bf16_tiles = false;  // K-quant above kPartsSmallM rows without int8 tiles: bf16 tiles
 };
+
+// Whether kquant_linear takes every row count (kquant_linear.cpp, built with AVX512-VNNI).
+bool kquant_int8_tiles() {
+  static const bool int8 = op<bool()>("deepinfer_cpu::kquant_int8_tiles").call();
+  return int8;
+}
 
 at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor& bias) {
   const bool small = x.size(0) <= kPartsSmallM;
@@ -92,7 +98,7 @@ at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor
               "deepinfer_cpu::bf16_linear_small_m");
       outs.push_back(small ? bf16_small_m.call(x, w, std::nullopt)
                            : at::linear(x.to(at::kBFloat16), w).to(at::kFloat));
-    } else if (small) {
+    } else if (small || kquant_int8_tiles()) {
       static const auto kquant =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
               "deepinfer_cpu::kquant_linear");

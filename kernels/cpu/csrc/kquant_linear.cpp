@@ -45,6 +45,7 @@ namespace {
 
 constexpr int64_t kSuper = 256;  // elements per super-block
 constexpr int64_t kGroupM = 4;   // activation rows one pass over a weight row takes
+constexpr int64_t kStreamRows = 16;  // more rows go through tiles (kquant_int8_gemm)
 // Weight bytes are prefetched this far ahead of the row being read (as quant_linear.cpp).
 constexpr int64_t kPfAhead = 4096;
 
@@ -332,7 +333,7 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
         const __m512i sc = _mm512_and_si512(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))),
             low16);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < 4; ++j) scv[j] = _mm512_permutexvar_epi32(idx[j], sc);
         d = fp16_at(b + 208);
       } else {
@@ -340,7 +341,7 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
         scale_min_k4(b + 4, sc, mn);
         const __m512i sc32 = _mm512_castsi256_si512(
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < 4; ++j) scv[j] = _mm512_permutexvar_epi32(idx[j], sc32);
         d = fp16_at(b);
         mnf = _mm256_mul_ps(
@@ -351,7 +352,7 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
       for (int m = 0; m < MG; ++m) {
         const int64_t xm = (m0 + m) * K + s * kSuper;
         __m512i acc = _mm512_setzero_si512();
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int j = 0; j < 4; ++j) {
           // Q6_K: the sums start at -32 x their activations' sum (stored q is q + 32)
           const __m512i init = T == KType::kQ6K ? _mm512_loadu_si512(corr + (xm + 64 * j) / 4)
@@ -390,6 +391,245 @@ void group_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t 
     case 3: rows_vnni<T, 3>(a, corr, w, K, bias, y, N, m0, n0, n1); break;
     default: rows_vnni<T, 4>(a, corr, w, K, bias, y, N, m0, n0, n1); break;
   }
+}
+#endif
+
+#ifdef KQ_VNNI
+// kquant_int8_gemm (prefill, larger batches): activations int8 per 256 as in the decode kernel,
+// weights unpacked once per call into u8 tiles of kCols output rows in which each 32-bit lane is
+// one output row's 4 consecutive elements, so one VPDPBUSD is 16 outputs x 4 products for an
+// activation row (its 4 bytes broadcast): 64 products an instruction, where a bf16 GEMM makes 32.
+// Per 32 (Q4_K / Q5_K) or 16 (Q6_K) elements the integer sums are scaled by the 6-bit / int8
+// scales in integers; once a super-block the total is converted and scaled by d x the
+// activation's scale; the Q4_K / Q5_K mins meet the activations' integer sums per 32 in one
+// int16 multiply-add per two of them.
+constexpr int64_t kCols = 32;  // output rows a tile holds (vectors of 16 lanes)
+constexpr int kGemmRows = 6;   // activation rows one pass over a tile takes
+
+template <KType T>
+constexpr int sub_blocks() { return T == KType::kQ6K ? 16 : 8; }
+
+// One tile's super-block: the codes [64 lane groups][kCols][4], int32 scales [sub][kCols], the
+// d [kCols].
+template <KType T>
+struct TileBlock {
+  alignas(64) uint8_t q[64 * kCols * 4];
+  alignas(64) int32_t scale[sub_blocks<T>() * kCols];
+  alignas(64) float d[kCols];
+};
+
+// r[i] (16 lanes of 32 bits each) -> r[k] = lane k of every r[i]: interleaving 32-bit, then
+// 64-bit lanes within 128-bit quarters, then the quarters.
+inline void transpose16(__m512i* r) {
+  __m512i a[16], b[16];
+  for (int i = 0; i < 8; ++i) {
+    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  for (int i = 0; i < 4; ++i) {  // b[4i + k]: rows 4i..4i + 3 of lane 4q + k, quarter q
+    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
+    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
+    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    const __m512i even01 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0x88);
+    const __m512i odd01 = _mm512_shuffle_i32x4(b[k], b[4 + k], 0xDD);
+    const __m512i even23 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0x88);
+    const __m512i odd23 = _mm512_shuffle_i32x4(b[8 + k], b[12 + k], 0xDD);
+    r[k] = _mm512_shuffle_i32x4(even01, even23, 0x88);
+    r[8 + k] = _mm512_shuffle_i32x4(even01, even23, 0xDD);
+    r[4 + k] = _mm512_shuffle_i32x4(odd01, odd23, 0x88);
+    r[12 + k] = _mm512_shuffle_i32x4(odd01, odd23, 0xDD);
+  }
+}
+
+// Output rows [n0, n0 + cols) (cols <= kCols; the rest zero) into S tile blocks, 16 rows at a
+// time: their unpacked codes transposed in registers, 16 x 16 lanes at once.
+template <KType T>
+void fill_tile(const uint8_t* w, int64_t S, int64_t n0, int64_t cols, TileBlock<T>* tile) {
+  const int64_t bb = block_bytes(T);
+  std::memset(static_cast<void*>(tile), 0, sizeof(TileBlock<T>) * S);
+  alignas(64) uint32_t codes[16][64];
+  for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    const int64_t rows = std::min<int64_t>(16, cols - c0);
+    for (int64_t s = 0; s < S; ++s) {
+      TileBlock<T>& t = tile[s];
+      for (int64_t c = 0; c < 16; ++c) {
+        if (c >= rows) {
+          std::memset(codes[c], 0, sizeof(codes[c]));
+          continue;
+        }
+        const uint8_t* b = w + ((n0 + c0 + c) * S + s) * bb;
+        __m512i wv[4];
+        weight_bytes<T>(b, wv);
+        for (int j = 0; j < 4; ++j) _mm512_store_si512(codes[c] + 16 * j, wv[j]);
+        const int64_t col = c0 + c;
+        if constexpr (T == KType::kQ6K) {
+          for (int j = 0; j < 16; ++j) t.scale[j * kCols + col] = static_cast<int8_t>(b[192 + j]);
+          t.d[col] = fp16_at(b + 208);
+        } else {
+          uint8_t sc[8], mn[8];
+          scale_min_k4(b + 4, sc, mn);
+          for (int j = 0; j < 8; ++j) t.scale[j * kCols + col] = sc[j];
+          t.d[col] = fp16_at(b);
+        }
+      }
+      auto* q32 = reinterpret_cast<uint32_t*>(t.q);
+      for (int j = 0; j < 4; ++j) {
+        __m512i r[16];
+        for (int c = 0; c < 16; ++c) r[c] = _mm512_load_si512(codes[c] + 16 * j);
+        transpose16(r);
+        for (int g = 0; g < 16; ++g) _mm512_store_si512(q32 + (16 * j + g) * kCols + c0, r[g]);
+      }
+    }
+  }
+}
+
+// Q6_K's codes are stored + 32: -32 x the activations' sum per 16 [M][K / 16] starts its sums.
+std::vector<int32_t> q6_offsets(const QuantX& a, int64_t M, int64_t K) {
+  std::vector<int32_t> sums(M * K / 16);
+  for (int64_t i = 0; i < M * K / 16; ++i) {
+    int32_t s = 0;
+    for (int64_t e = 0; e < 16; ++e) s += a.q[i * 16 + e];
+    sums[i] = -32 * s;
+  }
+  return sums;
+}
+
+// The Q4_K / Q5_K mins' share, minus the sum over 32-blocks of dmin * m times the activations'
+// sum (QuantX::sum), as one float GEMM over K / 32 (a 32nd of the products) written into y,
+// which the tiles then add to.
+void write_mins(const QuantX& a, KType t, const uint8_t* w, int64_t M, int64_t N, int64_t K,
+                float* y) {
+  const int64_t S = K / kSuper, bb = block_bytes(t);
+  at::Tensor mins = at::empty({N, K / kBlock}, at::TensorOptions().dtype(at::kFloat));
+  float* mp = mins.data_ptr<float>();
+  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) {
+      for (int64_t s = 0; s < S; ++s) {
+        const uint8_t* b = w + (n * S + s) * bb;
+        uint8_t sc[8], mn[8];
+        scale_min_k4(b + 4, sc, mn);
+        const float dmin = -fp16_at(b + 2);
+        for (int j = 0; j < 8; ++j) mp[(n * S + s) * 8 + j] = dmin * static_cast<float>(mn[j]);
+      }
+    }
+  });
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor sums = at::from_blob(const_cast<float*>(a.sum.data()), {M, K / kBlock}, f32);
+  at::Tensor out = at::from_blob(y, {M, N}, f32);
+  at::mm_out(out, sums, mins.t());
+}
+
+// Activation rows [m0, m0 + MR) against one tile: y[m, n0 + c] for c < cols (Q4_K / Q5_K:
+// added to the mins' share there). Per sub-block the integer sums (part) are scaled into the
+// super-block's (tot); the float totals wait in memory (once a super-block), which keeps part
+// and tot in registers.
+template <KType T, int MR>
+void tile_rows(const QuantX& a, const int32_t* sums, const TileBlock<T>* tile, int64_t S,
+               int64_t K, int64_t m0, float* y, int64_t N, int64_t n0, int64_t cols,
+               const float* bias) {
+  constexpr int SB = sub_blocks<T>(), G = 64 / SB;  // lane groups a sub-block
+  constexpr int NC = kCols / 16;                    // vectors of output rows
+  alignas(64) float out[MR][kCols] = {};
+  const int8_t* xq[MR];
+#pragma GCC unroll 8
+  for (int r = 0; r < MR; ++r) xq[r] = a.q.data() + (m0 + r) * K;
+  for (int64_t s = 0; s < S; ++s) {
+    const TileBlock<T>& t = tile[s];
+    __m512i tot[MR][NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r) {
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) tot[r][c] = _mm512_setzero_si512();
+    }
+#pragma GCC unroll 1
+    for (int sb = 0; sb < SB; ++sb) {
+      const int32_t* q32 = reinterpret_cast<const int32_t*>(t.q) + sb * G * kCols;
+      __m512i part[MR][NC];
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512i init = T == KType::kQ6K
+                                 ? _mm512_set1_epi32(sums[((m0 + r) * S + s) * 16 + sb])
+                                 : _mm512_setzero_si512();
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) part[r][c] = init;
+      }
+      const int64_t k0 = s * kSuper + sb * G * 4;
+#pragma GCC unroll 8
+      for (int g = 0; g < G; ++g) {
+        __m512i wv[NC];
+#pragma GCC unroll 8
+        for (int c = 0; c < NC; ++c) wv[c] = _mm512_load_si512(q32 + g * kCols + 16 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          int32_t x4;
+          std::memcpy(&x4, xq[r] + k0 + 4 * g, 4);
+          const __m512i xv = _mm512_set1_epi32(x4);
+#pragma GCC unroll 8
+          for (int c = 0; c < NC; ++c) part[r][c] = _mm512_dpbusd_epi32(part[r][c], wv[c], xv);
+        }
+      }
+#pragma GCC unroll 8
+      for (int c = 0; c < NC; ++c) {
+        const __m512i sc = _mm512_load_si512(t.scale + sb * kCols + 16 * c);
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          tot[r][c] = _mm512_add_epi32(tot[r][c], _mm512_mullo_epi32(part[r][c], sc));
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < NC; ++c) {
+      const __m512 d = _mm512_load_ps(t.d + 16 * c);
+#pragma GCC unroll 8
+      for (int r = 0; r < MR; ++r) {
+        const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * S + s]);
+        _mm512_store_ps(out[r] + 16 * c,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r][c]), _mm512_mul_ps(d, dx),
+                                        _mm512_load_ps(out[r] + 16 * c)));
+      }
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+      const __mmask16 keep = cols - c0 >= 16 ? 0xFFFF : (__mmask16{1} << (cols - c0)) - 1;
+      float* yp = y + (m0 + r) * N + n0 + c0;
+      __m512 v = _mm512_load_ps(out[r] + c0);
+      if constexpr (T != KType::kQ6K) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, yp));
+      if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0 + c0));
+      _mm512_mask_storeu_ps(yp, keep, v);
+    }
+  }
+}
+
+template <KType T>
+void int8_gemm(const QuantX& a, const uint8_t* w, int64_t M, int64_t N, int64_t K,
+               const float* bias, float* y) {
+  const int64_t S = K / kSuper, tiles = (N + kCols - 1) / kCols;
+  const std::vector<int32_t> sums = T == KType::kQ6K ? q6_offsets(a, M, K) : std::vector<int32_t>();
+  if constexpr (T != KType::kQ6K) write_mins(a, T, w, M, N, K, y);  // the tiles add to it
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    thread_local std::vector<TileBlock<T>> tile;
+    if (static_cast<int64_t>(tile.size()) < S) tile.resize(S);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * kCols, cols = std::min(kCols, N - n0);
+      fill_tile<T>(w, S, n0, cols, tile.data());
+      int64_t m0 = 0;
+      for (; m0 + kGemmRows <= M; m0 += kGemmRows) {
+        tile_rows<T, kGemmRows>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias);
+      }
+      switch (M - m0) {
+        case 1: tile_rows<T, 1>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
+        case 2: tile_rows<T, 2>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
+        case 3: tile_rows<T, 3>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
+        case 4: tile_rows<T, 4>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
+        case 5: tile_rows<T, 5>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
+        default: break;
+      }
+    }
+  });
 }
 #endif
 
@@ -437,6 +677,16 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
   const QuantX a = quantize_x(p.x.data_ptr<float>(), p.M, p.K, kSuper);
   const float* bp = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   float* yp = p.y.data_ptr<float>();
+#ifdef KQ_VNNI
+  if (p.M > kStreamRows) {
+    switch (p.t) {
+      case KType::kQ4K: int8_gemm<KType::kQ4K>(a, p.w, p.M, p.N, p.K, bp, yp); break;
+      case KType::kQ5K: int8_gemm<KType::kQ5K>(a, p.w, p.M, p.N, p.K, bp, yp); break;
+      case KType::kQ6K: int8_gemm<KType::kQ6K>(a, p.w, p.M, p.N, p.K, bp, yp); break;
+    }
+    return p.y;
+  }
+#endif
   std::vector<int32_t> corr;  // Q6_K: -32 x each 4 activations' sum (q - 32 as q + 32 - 32)
   if (p.t == KType::kQ6K) {
     corr.resize(p.M * p.K / 4);
@@ -542,6 +792,15 @@ at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, 
   return p.y;
 }
 
+// Whether kquant_linear takes any row count through int8 tiles (built with AVX512-VNNI).
+bool kquant_int8_tiles() {
+#ifdef KQ_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
 at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) {
   const KType t = ktype(type);
   TORCH_CHECK(blocks.scalar_type() == at::kByte && blocks.dim() == 2 && K % kSuper == 0 &&
@@ -565,6 +824,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("kquant_dequant_linear(Tensor x, Tensor blocks, int type, Tensor? bias=None, "
         "bool bf16=False) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int type, int K) -> Tensor");
+  m.def("kquant_int8_tiles() -> bool", &kquant_int8_tiles);
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {

@@ -49,10 +49,12 @@ def test_dequantize_is_gguf_bit_for_bit(qtype: Q) -> None:
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 16, 17, 22, 40])
 @pytest.mark.parametrize("n,k", [(1, 256), (37, 512), (133, 2048)])
-def test_decode_kernel_matches_reference(qtype: Q, m: int, n: int, k: int) -> None:
-    """Any row count up to 16 (groups of 4, and the rest), any slice of output rows."""
+def test_int8_kernel_matches_reference(qtype: Q, m: int, n: int, k: int) -> None:
+    """Any row count: the streaming kernel up to 16 (groups of 4, and the rest), int8 tiles of
+    32 output rows above (where built; groups of 4 and the rest again; a last tile part
+    empty), any slice of output rows."""
     raw = blocks(qtype, n, k, seed=m + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     bias = torch.randn(n)
@@ -85,11 +87,13 @@ def test_extreme_codes_and_activations_do_not_overflow(qtype: Q) -> None:
     raw = np.full((4, 2 * size), 0xFF, dtype=np.uint8)
     for at in FP16_AT[qtype]:
         raw.reshape(4, 2, size)[..., at:at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
-    x = torch.full((3, 2 * per), 5.0)
-    x[1] = -5.0
-    expected = quantize_activations(x, 256) @ reference_weight(raw, qtype, 2 * per).T
-    got = kq.kquant_linear(x, torch.from_numpy(raw), int(qtype))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    for rows in (3, 21):  # the streaming kernel; int8 tiles
+        x = torch.full((rows, 2 * per), 5.0)
+        x[1::2] = -5.0
+        expected = quantize_activations(x, 256) @ reference_weight(raw, qtype, 2 * per).T
+        got = kq.kquant_linear(x, torch.from_numpy(raw), int(qtype))
+        torch.testing.assert_close(got, expected, rtol=1e-5,
+                                   atol=1e-5 * expected.abs().max().item())
 
 
 def test_refuses_what_it_cannot_read() -> None:
@@ -105,16 +109,17 @@ def test_refuses_what_it_cannot_read() -> None:
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("rows", [1, 8, 16, 17, 40])
 def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int) -> None:
-    """The layer's choice: the streaming kernel up to 16 rows, dequantized tiles above; a
-    column shard (tensor parallelism) along whole super-blocks reads the same bytes."""
+    """The layer's choice: the streaming kernel up to 16 rows, int8 tiles above (or
+    dequantized tiles where not built); a column shard (tensor parallelism) along whole
+    super-blocks reads the same bytes."""
     raw = blocks(qtype, 24, 1024, seed=rows)
     weight = QuantizedWeight(torch.from_numpy(raw), None, None, int(qtype))
     ref_w = reference_weight(raw, qtype, 1024)
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
-    act = quantize_activations(x, 256) if rows <= kq.SMALL_M else x
-    expected = act @ ref_w.T
+    int8 = rows <= kq.SMALL_M or kq.int8_tiles()
+    expected = (quantize_activations(x, 256) if int8 else x) @ ref_w.T
     got = QuantizedMatmul(weight, None)(x)
-    tol = BF16_TOL if rows > kq.SMALL_M and kq.BF16_TILES else 1e-4
+    tol = BF16_TOL if not int8 and kq.BF16_TILES else 1e-4
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
     shard = weight.narrow(1, 256, 512)
     assert tuple(shard.shape) == (24, 512)
