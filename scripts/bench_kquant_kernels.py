@@ -6,8 +6,9 @@
 
 * decode: every K-quant linear of the decoder layers once (one token's weight reads), at 1 and
   8 rows through `kquant_linear`: best of 6 passes, ms and GB/s of weight bytes;
-* prefill: the first two layers' linears at `--rows` rows through `kquant_dequant_linear`
-  (bf16 slabs + oneDNN): best of 4, GFLOPS;
+* prefill: the first two layers' linears at `--rows` rows through `kquant_linear` (int8 tiles,
+  where built with AVX512-VNNI) and `kquant_dequant_linear` (bf16 slabs + oneDNN), alternated:
+  best of 4 each, GFLOPS;
 * stack: a batch-1 decode step (`ModelRunner.all_logits`, 128-token prompt) with and without the
   one-call decode layer, alternated step by step in one process: medians.
 """
@@ -60,8 +61,17 @@ def prefill(path: str, rows: int) -> None:
     ws = [w for w in kquant_weights(path) if w[0].startswith(("blk.0.", "blk.1."))]
     flops = sum(2 * rows * k * b.shape[0] for _, b, _, k in ws)
     xs = {k: torch.randn(rows, k) for *_, k in ws}
-    best = best_seconds(4, lambda: [kq.kquant_dequant_linear(xs[k], b, ty) for _, b, ty, k in ws])
-    print(f"two layers at {rows} rows: {best * 1e3:.1f} ms ({flops / best / 1e9:.0f} GFLOPS)")
+    paths = {"bf16 slabs": kq.kquant_dequant_linear}
+    if kq.int8_tiles():
+        paths["int8 tiles"] = kq.kquant_linear
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(4):
+        for name, linear in paths.items():
+            best[name] = min(best[name], best_seconds(
+                1, lambda linear=linear: [linear(xs[k], b, ty) for _, b, ty, k in ws]))
+    for name, seconds in best.items():
+        print(f"two layers at {rows} rows, {name}: {seconds * 1e3:.1f} ms "
+              f"({flops / seconds / 1e9:.0f} GFLOPS)")
 
 
 def stack(path: str, steps: int) -> None:

@@ -4,8 +4,9 @@ same weights dequantized (float32): how many leading tokens agree, per prompt.
     .venv/bin/python scripts/gguf_greedy_agreement.py /tmp/models/1b/Q4_K_M.gguf \\
         [--prompts 4] [--prompt-len 32] [--tokens 16] [--llama-server PATH]
 
-Both engines round activations where the reference does not (DeepInfer: int8 per block of 32
-into the quantized linears; llama.cpp: its Q8 activations, float16 KV), so a random model's
+Both engines round activations where the reference does not (DeepInfer: int8 into the
+quantized linears, per 256 for K-quants, per 32 for Q8_0; llama.cpp: its Q8 activations,
+float16 KV), so a random model's
 near-tied logits part ways sooner or later; the report is how far each follows the reference.
 Prompts are random token ids (fixed seed). llama-server is skipped when not found (`--llama-
 server`, $LLAMA_SERVER; scripts/llama_server.py builds it).
