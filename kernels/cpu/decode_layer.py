@@ -50,6 +50,7 @@ class LinearWeights:
     # differ in type): each part's kernel at any row count; `plain` is then EMPTY.
     parts: tuple[torch.Tensor, ...] = ()
     part_kinds: tuple[int, ...] = ()  # PART_BF16, or the part's ggml type
+    part_lanes: tuple[torch.Tensor, ...] = ()  # a K-quant part's lanes copy, or EMPTY
 
     def takes_any_rows(self) -> bool:
         return self.packed is not None or self.int_gemm or bool(self.parts)
@@ -95,8 +96,9 @@ def decode_stack(layers: list[DecodeLayerWeights]) -> torch.ScriptObject:
     stack = torch.classes.deepinfer_cpu.DecodeStack()
     for w in layers:
         linears = (w.qkv, w.o, w.gate_up, w.down)
-        parts = [(p, kind, i) for i, lin in enumerate(linears)
-                 for p, kind in zip(lin.parts, lin.part_kinds)]
+        parts = [(p, kind, i, lanes) for i, lin in enumerate(linears)
+                 for p, kind, lanes in zip(lin.parts, lin.part_kinds,
+                                           lin.part_lanes or (EMPTY,) * len(lin.parts))]
         if parts:
             cpu_kquant_linear.available()  # the ops the parts call, loaded (built) now
             cpu_bf16_linear.available()
@@ -104,8 +106,9 @@ def decode_stack(layers: list[DecodeLayerWeights]) -> torch.ScriptObject:
                         w.gate_up.plain, w.down.plain, w.qkv.packed, w.o.packed,
                         w.gate_up.packed, w.down.packed, w.num_heads, w.num_kv_heads, w.scale,
                         w.kv_group, [lin.scales for lin in linears], [lin.mins for lin in linears],
-                        [p for p, _, _ in parts], [k for _, k, _ in parts],
-                        [i for _, _, i in parts], cpu_kquant_linear.BF16_TILES)
+                        [p for p, *_ in parts], [k for _, k, *_ in parts],
+                        [i for _, _, i, _ in parts], [lanes for *_, lanes in parts],
+                        cpu_kquant_linear.BF16_TILES)
     return stack
 
 

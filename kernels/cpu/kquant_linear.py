@@ -9,6 +9,11 @@ native kernels (csrc/kquant_linear.cpp).
   AVX512-VNNI): bf16 tiles, activations and products where oneDNN has a bf16 GEMM
   (AVX512-BF16: ~2x float32's at 256 rows here; the tile, the activations and the output rounded
   to bf16, 2^-9 relative each), else float32.
+- `kquant_pack_lanes` / `kquant_lanes_linear`: the weight repacked once (at load, a second copy
+  of about its size) into strips of 16 output rows whose codes unpack straight into the int8
+  GEMM's lanes, for any row count above LANES_MIN_ROWS (the streaming kernel is faster below):
+  at 8 rows ~1.6x the streaming kernel (which is compute-bound there), the GEMM without the
+  per-call unpacking at prefill. Needs `int8_tiles()` and N a multiple of 32.
 - `kquant_dequantize`: the float32 rows (embedding lookups, the reference's weight).
 
 `blocks` is uint8 [N, K / 256 * block bytes] (workers/quantization/weight.py's "k-quant"
@@ -23,6 +28,7 @@ from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("kquant_linear", "kquant_linear.cpp", "kquant_linear")
 SMALL_M = 16  # the rows kquant_linear takes; more go through dequantized tiles
+LANES_MIN_ROWS = 3  # the fewest rows kquant_lanes_linear takes (kernels/cpu/csrc/decode_layer.cpp)
 BF16_TILES = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
@@ -58,3 +64,18 @@ def kquant_dequant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
 def kquant_dequantize(blocks: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor:
     """The float32 [N, cols] weight the blocks stand for."""
     return _OP.sibling("kquant_dequantize")(blocks, ggml_type, cols)
+
+
+def kquant_pack_lanes(blocks: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor | None:
+    """The lanes layout of [N, cols] blocks, or None where it does not apply (no AVX512-VNNI,
+    N not a multiple of 32)."""
+    if not int8_tiles() or blocks.shape[0] % 32:
+        return None
+    return _OP.sibling("kquant_pack_lanes")(blocks, ggml_type, cols)
+
+
+def kquant_lanes_linear(x: torch.Tensor, lanes: torch.Tensor, ggml_type: int,
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] float32 -> [..., N] from `kquant_pack_lanes`' layout, activations as
+    `kquant_linear`'s (int8 per 256): the same products."""
+    return _OP.sibling("kquant_lanes_linear")(x, lanes, ggml_type, bias)

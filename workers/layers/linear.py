@@ -146,7 +146,9 @@ class Linear(nn.Module):
                 return LinearWeights(EMPTY, None, self._b,
                                      parts=tuple(m.weight.qweight for m in matmuls),
                                      part_kinds=tuple(m.kquant if m.kquant is not None
-                                                      else PART_BF16 for m in matmuls))
+                                                      else PART_BF16 for m in matmuls),
+                                     part_lanes=tuple(EMPTY if m.lanes is None else m.lanes
+                                                      for m in matmuls))
             if not isinstance(q, QuantizedMatmul) or not q.native or q.weight.scales is None:
                 return None
             # (With FBGEMM opted in, more than 4 rows stay on the Python path that calls it.)

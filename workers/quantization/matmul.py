@@ -13,9 +13,11 @@
   made per call.
 - More rows, other layouts (fp8): dequantized tiles and a float32 GEMM, natively, activations
   as they are.
-- K-quants (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored): kernels/cpu/kquant_linear.py, the
-  streaming kernel up to its SMALL_M rows (16: an 8-stream decode step reads the weight once),
-  an integer GEMM on int8 activations above (AVX512-VNNI; else dequantized tiles and a bf16 or
+- K-quants (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored): kernels/cpu/kquant_linear.py. With
+  AVX512-VNNI and the second copy kept, from 3 rows the lanes copy (repacked at load for the
+  integer GEMM), below that the streaming kernel on the blocks; with one copy, the streaming
+  kernel up to its SMALL_M rows (16: an 8-stream decode step reads the weight once), above it
+  the integer GEMM unpacking the blocks per call (without VNNI dequantized tiles and a bf16 or
   float32 GEMM).
 - bf16 (a bf16 checkpoint's weights under a float32 model): kernels/cpu/bf16_linear.py, the
   AVX512-BF16 streaming kernel up to 16 rows, oneDNN's bf16 GEMM above; activations rounded to
@@ -64,7 +66,11 @@ def int_gemm_takes(weight: QuantizedWeight) -> bool:
 
 
 def packed_bytes(weight: QuantizedWeight) -> int:
-    """What the integer GEMM's pre-packed copy of `weight` takes (0: it takes no such copy)."""
+    """What the integer GEMM's pre-packed copy of `weight` takes (0: it takes no such copy);
+    for K-quants, the lanes copy (about the blocks' own size)."""
+    if weight.ggml_type is not None:
+        takes = weight.shape[0] % 32 == 0 and kquant_linear.int8_tiles()
+        return weight.qweight.numel() if takes else 0
     if not int_gemm_takes(weight):
         return 0
     rows, k = weight.shape
@@ -80,9 +86,13 @@ class QuantizedMatmul:
         self.kquant = weight.ggml_type
         self.packed = self.tiles = None
         self.int_gemm = self.kquant_int8_tiles = False
-        if self.kquant is not None:  # K-quant blocks: their own kernels, no packed copy
+        self.lanes = None  # K-quants: the lanes copy (kquant_pack_lanes), if kept
+        if self.kquant is not None:  # K-quant blocks: their own kernels
             self.native = weight.qweight.device.type == "cpu" and kquant_linear.available()
             self.kquant_int8_tiles = self.native and kquant_linear.int8_tiles()
+            if self.kquant_int8_tiles and pack:
+                self.lanes = kquant_linear.kquant_pack_lanes(self.weight.qweight, self.kquant,
+                                                             self.weight.shape[1])
             return
         if weight.kind == "bf16":
             self.native = weight.qweight.device.type == "cpu" and bf16_linear.available()
@@ -116,6 +126,8 @@ class QuantizedMatmul:
                 return bf16_linear.bf16_linear_small_m(x, w.qweight, self.bias)
             return bf16_linear.bf16_linear(x, w.qweight, self.bias)
         if self.kquant is not None:
+            if self.lanes is not None and rows >= kquant_linear.LANES_MIN_ROWS:
+                return kquant_linear.kquant_lanes_linear(x, self.lanes, self.kquant, self.bias)
             if rows <= kquant_linear.SMALL_M or self.kquant_int8_tiles:
                 return kquant_linear.kquant_linear(x, w.qweight, self.kquant, self.bias)
             return kquant_linear.kquant_dequant_linear(x, w.qweight, self.kquant, self.bias)
@@ -135,6 +147,7 @@ class QuantizedMatmul:
     def nbytes(self) -> int:
         """The weight's bytes with its packed copy (FBGEMM's or the integer GEMM's)."""
         extra = self.weight.qweight.numel() if self.packed is not None else 0
-        if self.tiles is not None:
-            extra += self.tiles.numel() * self.tiles.element_size()
+        for copy in (self.tiles, self.lanes):
+            if copy is not None:
+                extra += copy.numel() * copy.element_size()
         return self.weight.nbytes() + extra

@@ -69,14 +69,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 }
 
 // The kernels' own row limits for K-quant and bf16 weights (kernels/cpu/kquant_linear.py,
-// bf16_linear.py SMALL_M).
+// bf16_linear.py SMALL_M; kquant_linear.py LANES_MIN_ROWS).
 constexpr int64_t kPartsSmallM = 16;
+constexpr int64_t kLanesMinRows = 3;
 constexpr int64_t kBf16Part = 0;  // a part's kind: 0 a bf16 weight, else its ggml type
 
 // A linear's weights as K-quant / bf16 parts, each the rows of the output it owns.
 struct Parts {
   std::vector<at::Tensor> weights;
   std::vector<int64_t> kinds;
+  std::vector<at::Tensor> lanes;  // a K-quant part's lanes copy (kquant_pack_lanes), or empty
   bool bf16_tiles = false;  // K-quant above kPartsSmallM rows without int8 tiles: bf16 tiles
 };
 
@@ -98,6 +100,11 @@ at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor
               "deepinfer_cpu::bf16_linear_small_m");
       outs.push_back(small ? bf16_small_m.call(x, w, std::nullopt)
                            : at::linear(x.to(at::kBFloat16), w).to(at::kFloat));
+    } else if (parts.lanes[i].numel() > 0 && x.size(0) >= kLanesMinRows) {
+      static const auto kquant_lanes =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
+              "deepinfer_cpu::kquant_lanes_linear");
+      outs.push_back(kquant_lanes.call(x, parts.lanes[i], kind, std::nullopt));
     } else if (small || kquant_int8_tiles()) {
       static const auto kquant =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
@@ -214,16 +221,18 @@ class DecodeStack : public torch::CustomClassHolder {
                  double scale, int64_t kv_group, const c10::List<OptTensor>& scales,
                  const c10::List<OptTensor>& mins, const std::vector<at::Tensor>& parts,
                  const std::vector<int64_t>& part_kinds, const std::vector<int64_t>& part_of,
-                 bool bf16_tiles) {
+                 const std::vector<at::Tensor>& part_lanes, bool bf16_tiles) {
     TORCH_CHECK(kv_group >= 0, "kv_group must be >= 0");
-    TORCH_CHECK(part_kinds.size() == parts.size() && part_of.size() == parts.size(),
-                "one kind and one linear (0-3) per part");
+    TORCH_CHECK(part_kinds.size() == parts.size() && part_of.size() == parts.size() &&
+                    part_lanes.size() == parts.size(),
+                "one kind, one linear (0-3) and one lanes copy (or an empty tensor) per part");
     std::array<Parts, 4> by_linear;
     for (size_t i = 0; i < parts.size(); ++i) {
       TORCH_CHECK(part_of[i] >= 0 && part_of[i] < 4, "a part's linear must be 0-3");
       Parts& p = by_linear[part_of[i]];
       p.weights.push_back(parts[i]);
       p.kinds.push_back(part_kinds[i]);
+      p.lanes.push_back(part_lanes[i]);
       p.bf16_tiles = bf16_tiles;
     }
     layers_.push_back(LayerWeights{input_norm, post_norm, eps, qkv_weight, qkv_bias, o_weight,

@@ -45,7 +45,7 @@ namespace {
 
 constexpr int64_t kSuper = 256;  // elements per super-block
 constexpr int64_t kGroupM = 4;   // activation rows one pass over a weight row takes
-constexpr int64_t kStreamRows = 16;  // more rows go through tiles (kquant_int8_gemm)
+constexpr int64_t kStreamRows = 16;  // more rows go through the integer GEMM (lanes_gemm)
 // Weight bytes are prefetched this far ahead of the row being read (as quant_linear.cpp).
 constexpr int64_t kPfAhead = 4096;
 
@@ -395,27 +395,24 @@ void group_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t 
 #endif
 
 #ifdef KQ_VNNI
-// kquant_int8_gemm (prefill, larger batches): activations int8 per 256 as in the decode kernel,
-// weights unpacked once per call into u8 tiles of kCols output rows in which each 32-bit lane is
-// one output row's 4 consecutive elements, so one VPDPBUSD is 16 outputs x 4 products for an
-// activation row (its 4 bytes broadcast): 64 products an instruction, where a bf16 GEMM makes 32.
-// Per 32 (Q4_K / Q5_K) or 16 (Q6_K) elements the integer sums are scaled by the 6-bit / int8
-// scales in integers; once a super-block the total is converted and scaled by d x the
-// activation's scale; the Q4_K / Q5_K mins meet the activations' integer sums per 32 in one
-// int16 multiply-add per two of them.
+// The integer GEMM (prefill, larger batches, and with the lanes copy from 3 rows): activations
+// int8 per 256 as in the decode kernel; the weight's codes as u8 lanes, each 32-bit lane one
+// output row's 4 consecutive codes, so one VPDPBUSD is 16 outputs x 4 products for an
+// activation row (its 4 bytes broadcast): 64 products an instruction, where a bf16 GEMM makes
+// 32. Per 32 (Q4_K / Q5_K) or 16 (Q6_K) elements the integer sums are scaled by the 6-bit /
+// int8 scales in integers; once a super-block the total is converted and scaled by d x the
+// activation's scale, and the Q4_K / Q5_K mins meet the activations' integer sums per 32 in one
+// int16 multiply-add per two of them. The lanes come from the weight's lanes copy (repacked at
+// load, kquant_pack_lanes), or are packed per call, two strips at a time.
 constexpr int64_t kCols = 32;  // output rows a tile holds (vectors of 16 lanes)
-constexpr int kGemmRows = 6;   // activation rows one pass over a tile takes
 
 template <KType T>
 constexpr int sub_blocks() { return T == KType::kQ6K ? 16 : 8; }
 
-// One tile's super-block: the codes [64 lane groups][kCols][4], int32 scales [sub][kCols], the
-// d [kCols].
+// One super-block of kCols output rows' codes as u8 lanes: [64 lane groups][kCols][4].
 template <KType T>
 struct TileBlock {
   alignas(64) uint8_t q[64 * kCols * 4];
-  alignas(64) int32_t scale[sub_blocks<T>() * kCols];
-  alignas(64) float d[kCols];
 };
 
 // r[i] (16 lanes of 32 bits each) -> r[k] = lane k of every r[i]: interleaving 32-bit, then
@@ -464,16 +461,6 @@ void fill_tile(const uint8_t* w, int64_t S, int64_t n0, int64_t cols, TileBlock<
         __m512i wv[4];
         weight_bytes<T>(b, wv);
         for (int j = 0; j < 4; ++j) _mm512_store_si512(codes[c] + 16 * j, wv[j]);
-        const int64_t col = c0 + c;
-        if constexpr (T == KType::kQ6K) {
-          for (int j = 0; j < 16; ++j) t.scale[j * kCols + col] = static_cast<int8_t>(b[192 + j]);
-          t.d[col] = fp16_at(b + 208);
-        } else {
-          uint8_t sc[8], mn[8];
-          scale_min_k4(b + 4, sc, mn);
-          for (int j = 0; j < 8; ++j) t.scale[j * kCols + col] = sc[j];
-          t.d[col] = fp16_at(b);
-        }
       }
       auto* q32 = reinterpret_cast<uint32_t*>(t.q);
       for (int j = 0; j < 4; ++j) {
@@ -497,136 +484,298 @@ std::vector<int32_t> q6_offsets(const QuantX& a, int64_t M, int64_t K) {
   return sums;
 }
 
-// The Q4_K / Q5_K mins' share, minus the sum over 32-blocks of dmin * m times the activations'
-// sum (QuantX::sum), as one float GEMM over K / 32 (a 32nd of the products) written into y,
-// which the tiles then add to.
-void write_mins(const QuantX& a, KType t, const uint8_t* w, int64_t M, int64_t N, int64_t K,
-                float* y) {
-  const int64_t S = K / kSuper, bb = block_bytes(t);
-  at::Tensor mins = at::empty({N, K / kBlock}, at::TensorOptions().dtype(at::kFloat));
-  float* mp = mins.data_ptr<float>();
-  at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1; ++n) {
-      for (int64_t s = 0; s < S; ++s) {
-        const uint8_t* b = w + (n * S + s) * bb;
-        uint8_t sc[8], mn[8];
-        scale_min_k4(b + 4, sc, mn);
-        const float dmin = -fp16_at(b + 2);
-        for (int j = 0; j < 8; ++j) mp[(n * S + s) * 8 + j] = dmin * static_cast<float>(mn[j]);
-      }
-    }
-  });
-  const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor sums = at::from_blob(const_cast<float*>(a.sum.data()), {M, K / kBlock}, f32);
-  at::Tensor out = at::from_blob(y, {M, N}, f32);
-  at::mm_out(out, sums, mins.t());
+// ---- The lanes layout: K-quant weights repacked once (at load) for kquant_lanes_linear ----
+// Per strip of 16 output rows and super-block, one record: the codes as nibbles, 64 bytes per
+// two groups of 4 elements (byte 4c + i: element 4(2j) + i of the strip's row c in the low
+// nibble, element 4(2j + 1) + i in the high one), so a load, a shift and two ANDs give the
+// u8 lanes the integer GEMM multiplies, without fill_tile's transposes; Q5_K's fifth bits (Q6_K's
+// fifth and sixth) as 64-bit masks per group of 4 (bit 4c + i); the scales as bytes
+// [sub-block][16], the mins as int16 pairs [4][16] (two 32-blocks a multiply-add), d (and dmin)
+// as fp16 [16]. About the file's own size (Q4_K 2,496 bytes a record against 16 x 144), read
+// once per group of up to 8 activation rows.
+template <KType T>
+struct Lanes;
+template <>
+struct Lanes<KType::kQ4K> {
+  static constexpr int64_t kPlanes = 0, kScales = 2048, kMins = 2176, kD = 2432, kDmin = 2464,
+                           kRecord = 2496;
+};
+template <>
+struct Lanes<KType::kQ5K> {
+  static constexpr int64_t kPlanes = 2048, kScales = 2560, kMins = 2688, kD = 2944,
+                           kDmin = 2976, kRecord = 3008;
+};
+template <>
+struct Lanes<KType::kQ6K> {
+  static constexpr int64_t kPlanes = 2048, kScales = 3072, kMins = 0, kD = 3328, kDmin = 0,
+                           kRecord = 3392;  // 3,360 rounded up to 64
+};
+constexpr int64_t kStrip = 16;
+constexpr int64_t kLanesAhead = 8192;  // bytes of a strip prefetched ahead of the one read
+
+int64_t lanes_record(KType t) {
+  switch (t) {
+    case KType::kQ4K: return Lanes<KType::kQ4K>::kRecord;
+    case KType::kQ5K: return Lanes<KType::kQ5K>::kRecord;
+    case KType::kQ6K: return Lanes<KType::kQ6K>::kRecord;
+  }
+  return 0;
 }
 
-// Activation rows [m0, m0 + MR) against one tile: y[m, n0 + c] for c < cols (Q4_K / Q5_K:
-// added to the mins' share there). Per sub-block the integer sums (part) are scaled into the
-// super-block's (tot); the float totals wait in memory (once a super-block), which keeps part
-// and tot in registers.
-template <KType T, int MR>
-void tile_rows(const QuantX& a, const int32_t* sums, const TileBlock<T>* tile, int64_t S,
-               int64_t K, int64_t m0, float* y, int64_t N, int64_t n0, int64_t cols,
-               const float* bias) {
-  constexpr int SB = sub_blocks<T>(), G = 64 / SB;  // lane groups a sub-block
-  constexpr int NC = kCols / 16;                    // vectors of output rows
-  alignas(64) float out[MR][kCols] = {};
+// Strips [2 t, 2 t + 1] of the weight, from the u8 lanes of fill_tile's tile (its 32
+// output rows are the two strips) and the blocks' own scale bytes.
+template <KType T>
+void pack_pair(const uint8_t* w, int64_t S, int64_t n0, int64_t cols, const TileBlock<T>* tile,
+               uint8_t* out) {
+  using L = Lanes<T>;
+  const int64_t bb = block_bytes(T);
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    for (int64_t s = 0; s < S; ++s) {
+      uint8_t* rec = out + (h * S + s) * L::kRecord;
+      std::memset(rec, 0, L::kRecord);
+      const uint8_t* q = tile[s].q;  // [64 groups][32 rows][4]
+      for (int j = 0; j < 32; ++j) {
+        const __m512i lo = _mm512_load_si512(q + (2 * j) * kCols * 4 + h * 64);
+        const __m512i hi = _mm512_load_si512(q + (2 * j + 1) * kCols * 4 + h * 64);
+        _mm512_storeu_si512(rec + 64 * j,
+                            _mm512_or_si512(_mm512_and_si512(lo, low),
+                                            _mm512_slli_epi16(_mm512_and_si512(hi, low), 4)));
+      }
+      if constexpr (T != KType::kQ4K) {
+        for (int g = 0; g < 64; ++g) {
+          const __m512i v = _mm512_load_si512(q + g * kCols * 4 + h * 64);
+          const uint64_t b4 = _mm512_test_epi8_mask(v, _mm512_set1_epi8(0x10));
+          std::memcpy(rec + L::kPlanes + 8 * g, &b4, 8);
+          if constexpr (T == KType::kQ6K) {
+            const uint64_t b5 = _mm512_test_epi8_mask(v, _mm512_set1_epi8(0x20));
+            std::memcpy(rec + L::kPlanes + 512 + 8 * g, &b5, 8);
+          }
+        }
+      }
+      for (int c = 0; c < std::min<int64_t>(kStrip, cols - h * kStrip); ++c) {
+        const uint8_t* b = w + ((n0 + h * kStrip + c) * S + s) * bb;
+        if constexpr (T == KType::kQ6K) {
+          for (int j = 0; j < 16; ++j) rec[L::kScales + j * kStrip + c] = b[192 + j];
+          std::memcpy(rec + L::kD + 2 * c, b + 208, 2);
+        } else {
+          uint8_t sc[8], mn[8];
+          scale_min_k4(b + 4, sc, mn);
+          for (int j = 0; j < 8; ++j) rec[L::kScales + j * kStrip + c] = sc[j];
+          for (int j = 0; j < 4; ++j) {  // int16 pairs: blocks 2j (low half), 2j + 1
+            rec[L::kMins + (j * kStrip + c) * 4] = mn[2 * j];
+            rec[L::kMins + (j * kStrip + c) * 4 + 2] = mn[2 * j + 1];
+          }
+          std::memcpy(rec + L::kD + 2 * c, b, 2);
+          std::memcpy(rec + L::kDmin + 2 * c, b + 2, 2);
+        }
+      }
+    }
+  }
+}
+
+template <KType T>
+void pack_lanes(const uint8_t* w, int64_t N, int64_t K, uint8_t* out) {
+  const int64_t S = K / kSuper;
+  at::parallel_for(0, N / kCols, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<TileBlock<T>> tile(S);
+    for (int64_t t = t0; t < t1; ++t) {
+      fill_tile<T>(w, S, t * kCols, kCols, tile.data());
+      pack_pair<T>(w, S, t * kCols, kCols, tile.data(), out + 2 * t * S * Lanes<T>::kRecord);
+    }
+  });
+}
+
+// One group of 4 elements' codes for a strip, as u8 lanes: the nibbles, plus the fifth (and
+// sixth) bits where the type has them.
+template <KType T>
+inline __m512i lane_codes(__m512i nibbles, const uint8_t* rec, int g) {
+  if constexpr (T != KType::kQ4K) {
+    __mmask64 b4;
+    std::memcpy(&b4, rec + Lanes<T>::kPlanes + 8 * g, 8);
+    nibbles = _mm512_mask_add_epi8(nibbles, b4, nibbles, _mm512_set1_epi8(0x10));
+    if constexpr (T == KType::kQ6K) {
+      __mmask64 b5;
+      std::memcpy(&b5, rec + Lanes<T>::kPlanes + 512 + 8 * g, 8);
+      nibbles = _mm512_mask_add_epi8(nibbles, b5, nibbles, _mm512_set1_epi8(0x20));
+    }
+  }
+  return nibbles;
+}
+
+// 4 bytes at p in every 32-bit lane, loaded as such (not through a general register).
+inline __m512i broadcast4(const int8_t* p) {
+  return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
+}
+
+// The activations' integer sums per 32 as int16 pairs [M][K / 64] (blocks 2j, 2j + 1): what
+// the Q4_K / Q5_K mins multiply.
+std::vector<int32_t> sum_pairs(const QuantX& a, int64_t M, int64_t K) {
+  std::vector<int32_t> pairs(M * K / 64);
+  for (int64_t i = 0; i < M * K / 64; ++i) {
+    int32_t lo = 0, hi = 0;
+    for (int e = 0; e < 32; ++e) {
+      lo += a.q[i * 64 + e];
+      hi += a.q[i * 64 + 32 + e];
+    }
+    pairs[i] = (lo & 0xFFFF) | (hi << 16);
+  }
+  return pairs;
+}
+
+// Activation rows [m0, m0 + MR) against NC consecutive strips' records: y[m, n0 .. n0 + 16 NC).
+// The codes are unpacked from the records as they are read, once for all MR rows.
+template <KType T, int MR, int NC>
+void lanes_rows(const QuantX& a, const int32_t* sums, const uint8_t* strip, int64_t S,
+                int64_t K, int64_t m0, float* y, int64_t N, int64_t n0, int64_t cols,
+                const float* bias) {
+  using L = Lanes<T>;
+  constexpr int SB = sub_blocks<T>(), G = 64 / SB;
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  alignas(64) float out[MR][16 * NC] = {};
   const int8_t* xq[MR];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r) xq[r] = a.q.data() + (m0 + r) * K;
   for (int64_t s = 0; s < S; ++s) {
-    const TileBlock<T>& t = tile[s];
+    const uint8_t* rec[NC];
+#pragma GCC unroll 2
+    for (int h = 0; h < NC; ++h) {
+      rec[h] = strip + (h * S + s) * L::kRecord;
+    }
     __m512i tot[MR][NC];
 #pragma GCC unroll 8
     for (int r = 0; r < MR; ++r) {
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) tot[r][c] = _mm512_setzero_si512();
+#pragma GCC unroll 2
+      for (int h = 0; h < NC; ++h) tot[r][h] = _mm512_setzero_si512();
     }
 #pragma GCC unroll 1
     for (int sb = 0; sb < SB; ++sb) {
-      const int32_t* q32 = reinterpret_cast<const int32_t*>(t.q) + sb * G * kCols;
       __m512i part[MR][NC];
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512i init = T == KType::kQ6K
                                  ? _mm512_set1_epi32(sums[((m0 + r) * S + s) * 16 + sb])
                                  : _mm512_setzero_si512();
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) part[r][c] = init;
+#pragma GCC unroll 2
+        for (int h = 0; h < NC; ++h) part[r][h] = init;
       }
-      const int64_t k0 = s * kSuper + sb * G * 4;
 #pragma GCC unroll 8
-      for (int g = 0; g < G; ++g) {
-        __m512i wv[NC];
-#pragma GCC unroll 8
-        for (int c = 0; c < NC; ++c) wv[c] = _mm512_load_si512(q32 + g * kCols + 16 * c);
+      for (int jj = 0; jj < G / 2; ++jj) {
+        const int j = sb * (G / 2) + jj;  // groups 2j, 2j + 1
+        __m512i wlo[NC], whi[NC];
+#pragma GCC unroll 2
+        for (int h = 0; h < NC; ++h) {
+          // a record's lines fetched ahead one or two at a time, as they are read
+          _mm_prefetch(reinterpret_cast<const char*>(rec[h] + kLanesAhead + 64 * j), _MM_HINT_T0);
+          if (64 * (j + 32) < L::kRecord) {
+            _mm_prefetch(reinterpret_cast<const char*>(rec[h] + kLanesAhead + 64 * (j + 32)),
+                         _MM_HINT_T0);
+          }
+          const __m512i v = _mm512_load_si512(rec[h] + 64 * j);
+          wlo[h] = lane_codes<T>(_mm512_and_si512(v, low), rec[h], 2 * j);
+          whi[h] = lane_codes<T>(_mm512_and_si512(_mm512_srli_epi16(v, 4), low), rec[h],
+                                 2 * j + 1);
+        }
+        const int64_t k0 = s * kSuper + 8 * j;
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          int32_t x4;
-          std::memcpy(&x4, xq[r] + k0 + 4 * g, 4);
-          const __m512i xv = _mm512_set1_epi32(x4);
-#pragma GCC unroll 8
-          for (int c = 0; c < NC; ++c) part[r][c] = _mm512_dpbusd_epi32(part[r][c], wv[c], xv);
+          const __m512i xa = broadcast4(xq[r] + k0), xb = broadcast4(xq[r] + k0 + 4);
+#pragma GCC unroll 2
+          for (int h = 0; h < NC; ++h) {
+            part[r][h] = _mm512_dpbusd_epi32(part[r][h], wlo[h], xa);
+            part[r][h] = _mm512_dpbusd_epi32(part[r][h], whi[h], xb);
+          }
         }
       }
-#pragma GCC unroll 8
-      for (int c = 0; c < NC; ++c) {
-        const __m512i sc = _mm512_load_si512(t.scale + sb * kCols + 16 * c);
+#pragma GCC unroll 2
+      for (int h = 0; h < NC; ++h) {
+        const __m128i sc8 =
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(rec[h] + L::kScales + sb * kStrip));
+        const __m512i sc =
+            T == KType::kQ6K ? _mm512_cvtepi8_epi32(sc8) : _mm512_cvtepu8_epi32(sc8);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; ++r) {
-          tot[r][c] = _mm512_add_epi32(tot[r][c], _mm512_mullo_epi32(part[r][c], sc));
+          tot[r][h] = _mm512_add_epi32(tot[r][h], _mm512_mullo_epi32(part[r][h], sc));
         }
       }
     }
-#pragma GCC unroll 8
-    for (int c = 0; c < NC; ++c) {
-      const __m512 d = _mm512_load_ps(t.d + 16 * c);
+#pragma GCC unroll 2
+    for (int h = 0; h < NC; ++h) {
+      const __m512 d =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[h] + L::kD)));
 #pragma GCC unroll 8
       for (int r = 0; r < MR; ++r) {
         const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * S + s]);
-        _mm512_store_ps(out[r] + 16 * c,
-                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r][c]), _mm512_mul_ps(d, dx),
-                                        _mm512_load_ps(out[r] + 16 * c)));
+        _mm512_store_ps(out[r] + 16 * h,
+                        _mm512_fmadd_ps(_mm512_cvtepi32_ps(tot[r][h]), _mm512_mul_ps(d, dx),
+                                        _mm512_load_ps(out[r] + 16 * h)));
+      }
+      if constexpr (T != KType::kQ6K) {  // - dmin x sum over 32-blocks of m x the block's sum
+        const __m512 dmin = _mm512_cvtph_ps(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rec[h] + L::kDmin)));
+        __m512i mins[MR];
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) mins[r] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m512i m = _mm512_load_si512(rec[h] + L::kMins + 64 * j);
+#pragma GCC unroll 8
+          for (int r = 0; r < MR; ++r) {
+            mins[r] = _mm512_dpwssd_epi32(mins[r], m,
+                                          _mm512_set1_epi32(sums[((m0 + r) * S + s) * 4 + j]));
+          }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < MR; ++r) {
+          const __m512 dx = _mm512_set1_ps(a.scale[(m0 + r) * S + s]);
+          _mm512_store_ps(out[r] + 16 * h,
+                          _mm512_fnmadd_ps(_mm512_cvtepi32_ps(mins[r]), _mm512_mul_ps(dmin, dx),
+                                           _mm512_load_ps(out[r] + 16 * h)));
+        }
       }
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int64_t c0 = 0; c0 < cols; c0 += 16) {
+    for (int64_t c0 = 0; c0 < std::min<int64_t>(cols, 16 * NC); c0 += 16) {
       const __mmask16 keep = cols - c0 >= 16 ? 0xFFFF : (__mmask16{1} << (cols - c0)) - 1;
-      float* yp = y + (m0 + r) * N + n0 + c0;
       __m512 v = _mm512_load_ps(out[r] + c0);
-      if constexpr (T != KType::kQ6K) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, yp));
       if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(keep, bias + n0 + c0));
-      _mm512_mask_storeu_ps(yp, keep, v);
+      _mm512_mask_storeu_ps(y + (m0 + r) * N + n0 + c0, keep, v);
     }
   }
 }
 
+constexpr int kLaneRows = 8;  // activation rows a pass over a strip takes
+
+// y for all M rows from the lanes copy, or (lanes == nullptr) from the blocks w, packed two
+// strips at a time into a buffer per thread (N then need not be a multiple of 32).
 template <KType T>
-void int8_gemm(const QuantX& a, const uint8_t* w, int64_t M, int64_t N, int64_t K,
-               const float* bias, float* y) {
-  const int64_t S = K / kSuper, tiles = (N + kCols - 1) / kCols;
-  const std::vector<int32_t> sums = T == KType::kQ6K ? q6_offsets(a, M, K) : std::vector<int32_t>();
-  if constexpr (T != KType::kQ6K) write_mins(a, T, w, M, N, K, y);  // the tiles add to it
-  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<TileBlock<T>> tile;
-    if (static_cast<int64_t>(tile.size()) < S) tile.resize(S);
+void lanes_gemm(const QuantX& a, const uint8_t* lanes, const uint8_t* w, int64_t M, int64_t N,
+                int64_t K, const float* bias, float* y) {
+  const int64_t S = K / kSuper, R = Lanes<T>::kRecord;
+  const std::vector<int32_t> sums = T == KType::kQ6K ? q6_offsets(a, M, K) : sum_pairs(a, M, K);
+  // Rows in even groups of at most kLaneRows (12 rows: 6 + 6), each reading the strip pair.
+  const int64_t groups = (M + kLaneRows - 1) / kLaneRows, per = (M + groups - 1) / groups;
+  at::parallel_for(0, (N + kCols - 1) / kCols, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<TileBlock<T>> tile(lanes == nullptr ? S : 0);
+    std::vector<uint8_t> packed(lanes == nullptr ? 2 * S * R + 64 : 0);
+    uint8_t* own = packed.data() + (-reinterpret_cast<uintptr_t>(packed.data()) & 63);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * kCols, cols = std::min(kCols, N - n0);
-      fill_tile<T>(w, S, n0, cols, tile.data());
-      int64_t m0 = 0;
-      for (; m0 + kGemmRows <= M; m0 += kGemmRows) {
-        tile_rows<T, kGemmRows>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias);
+      const uint8_t* pair = lanes + 2 * t * S * R;
+      if (lanes == nullptr) {
+        fill_tile<T>(w, S, n0, cols, tile.data());
+        pack_pair<T>(w, S, n0, cols, tile.data(), own);
+        pair = own;
       }
-      switch (M - m0) {
-        case 1: tile_rows<T, 1>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
-        case 2: tile_rows<T, 2>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
-        case 3: tile_rows<T, 3>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
-        case 4: tile_rows<T, 4>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
-        case 5: tile_rows<T, 5>(a, sums.data(), tile.data(), S, K, m0, y, N, n0, cols, bias); break;
-        default: break;
+      for (int64_t m0 = 0; m0 < M; m0 += per) {
+        switch (std::min(per, M - m0)) {
+#define KQ_LANES(R) \
+  case R: lanes_rows<T, R, 2>(a, sums.data(), pair, S, K, m0, y, N, n0, cols, bias); break;
+          KQ_LANES(1) KQ_LANES(2) KQ_LANES(3) KQ_LANES(4) KQ_LANES(5) KQ_LANES(6) KQ_LANES(7)
+          default: lanes_rows<T, 8, 2>(a, sums.data(), pair, S, K, m0, y, N, n0, cols, bias);
+#undef KQ_LANES
+        }
       }
     }
   });
@@ -680,9 +829,9 @@ at::Tensor kquant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t 
 #ifdef KQ_VNNI
   if (p.M > kStreamRows) {
     switch (p.t) {
-      case KType::kQ4K: int8_gemm<KType::kQ4K>(a, p.w, p.M, p.N, p.K, bp, yp); break;
-      case KType::kQ5K: int8_gemm<KType::kQ5K>(a, p.w, p.M, p.N, p.K, bp, yp); break;
-      case KType::kQ6K: int8_gemm<KType::kQ6K>(a, p.w, p.M, p.N, p.K, bp, yp); break;
+      case KType::kQ4K: lanes_gemm<KType::kQ4K>(a, nullptr, p.w, p.M, p.N, p.K, bp, yp); break;
+      case KType::kQ5K: lanes_gemm<KType::kQ5K>(a, nullptr, p.w, p.M, p.N, p.K, bp, yp); break;
+      case KType::kQ6K: lanes_gemm<KType::kQ6K>(a, nullptr, p.w, p.M, p.N, p.K, bp, yp); break;
     }
     return p.y;
   }
@@ -817,6 +966,71 @@ at::Tensor kquant_dequantize(const at::Tensor& blocks, int64_t type, int64_t K) 
   return out;
 }
 
+// The lanes layout of [N, K] K-quant blocks (N a multiple of 32): uint8 [N, K / 256 * record
+// / 16], strips of 16 rows (kquant_lanes_linear reads it; needs AVX512-VNNI).
+at::Tensor kquant_pack_lanes(const at::Tensor& blocks, int64_t type, int64_t K) {
+  const KType t = ktype(type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte && blocks.dim() == 2 &&
+                  K % kSuper == 0 && blocks.size(1) == K / kSuper * block_bytes(t),
+              "kquant_pack_lanes: blocks are not rows of ", K, " elements");
+  const int64_t N = blocks.size(0);
+  TORCH_CHECK(N % kCols == 0, "kquant_pack_lanes: ", N, " rows are not a multiple of ", kCols);
+  at::Tensor out = at::empty({N, K / kSuper * lanes_record(t) / kStrip}, blocks.options());
+#ifdef KQ_VNNI
+  const at::Tensor b = blocks.contiguous();
+  const uint8_t* w = b.data_ptr<uint8_t>();
+  uint8_t* o = out.data_ptr<uint8_t>();
+  switch (t) {
+    case KType::kQ4K: pack_lanes<KType::kQ4K>(w, N, K, o); break;
+    case KType::kQ5K: pack_lanes<KType::kQ5K>(w, N, K, o); break;
+    case KType::kQ6K: pack_lanes<KType::kQ6K>(w, N, K, o); break;
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "kquant_pack_lanes: built without AVX512-VNNI");
+#endif
+}
+
+// y = x dequant(w)^T (+ bias) from the lanes layout, any row count: activations int8 per 256
+// as kquant_linear's.
+at::Tensor kquant_lanes_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t type,
+                               const std::optional<at::Tensor>& bias) {
+  const KType t = ktype(type);
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
+              "kquant_lanes_linear: x must be a float32 CPU tensor");
+  const int64_t K = x.size(-1), N = lanes.size(0);
+  TORCH_CHECK(lanes.scalar_type() == at::kByte && lanes.dim() == 2 && lanes.is_contiguous() &&
+                  K % kSuper == 0 && N % kCols == 0 &&
+                  lanes.size(1) == K / kSuper * lanes_record(t) / kStrip,
+              "kquant_lanes_linear: the lanes do not hold ", K, "-element rows");
+  const at::Tensor xc = x.contiguous();
+  const int64_t M = K == 0 ? 0 : xc.numel() / K;
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  at::Tensor b;
+  if (bias.has_value() && bias->defined()) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
+                "kquant_lanes_linear: bias must be float32 [N]");
+    b = bias->contiguous();
+  }
+  if (M == 0 || N == 0) return y;
+#ifdef KQ_VNNI
+  const QuantX a = quantize_x(xc.data_ptr<float>(), M, K, kSuper);
+  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const uint8_t* lp = lanes.data_ptr<uint8_t>();
+  float* yp = y.data_ptr<float>();
+  switch (t) {
+    case KType::kQ4K: lanes_gemm<KType::kQ4K>(a, lp, nullptr, M, N, K, bp, yp); break;
+    case KType::kQ5K: lanes_gemm<KType::kQ5K>(a, lp, nullptr, M, N, K, bp, yp); break;
+    case KType::kQ6K: lanes_gemm<KType::kQ6K>(a, lp, nullptr, M, N, K, bp, yp); break;
+  }
+  return y;
+#else
+  TORCH_CHECK(false, "kquant_lanes_linear: built without AVX512-VNNI");
+#endif
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
@@ -825,10 +1039,14 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
         "bool bf16=False) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int type, int K) -> Tensor");
   m.def("kquant_int8_tiles() -> bool", &kquant_int8_tiles);
+  m.def("kquant_pack_lanes(Tensor blocks, int type, int K) -> Tensor");
+  m.def("kquant_lanes_linear(Tensor x, Tensor lanes, int type, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(deepinfer_cpu, CPU, m) {
   m.impl("kquant_linear", &kquant_linear);
   m.impl("kquant_dequant_linear", &kquant_dequant_linear);
   m.impl("kquant_dequantize", &kquant_dequantize);
+  m.impl("kquant_pack_lanes", &kquant_pack_lanes);
+  m.impl("kquant_lanes_linear", &kquant_lanes_linear);
 }

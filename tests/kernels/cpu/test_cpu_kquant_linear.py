@@ -63,6 +63,35 @@ def test_int8_kernel_matches_reference(qtype: Q, m: int, n: int, k: int) -> None
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
+@pytest.mark.skipif(not kq.int8_tiles(), reason="the lanes layout needs AVX512-VNNI")
+@pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
+@pytest.mark.parametrize("m", [1, 3, 4, 8, 9, 16, 17, 40])
+@pytest.mark.parametrize("n,k", [(32, 256), (64, 768), (96, 2048)])
+def test_lanes_layout_matches_reference(qtype: Q, m: int, n: int, k: int) -> None:
+    """The repacked copy: any row count (groups of up to 8, evenly), strips of 16 rows in
+    pairs; the same products as the blocks' kernels."""
+    raw = blocks(qtype, n, k, seed=m + n)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
+    bias = torch.randn(n)
+    expected = quantize_activations(x, 256) @ reference_weight(raw, qtype, k).T + bias
+    lanes = kq.kquant_pack_lanes(torch.from_numpy(raw), int(qtype), k)
+    got = kq.kquant_lanes_linear(x, lanes, int(qtype), bias)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
+
+
+@pytest.mark.skipif(not kq.int8_tiles(), reason="the lanes layout needs AVX512-VNNI")
+def test_lanes_layout_refuses_what_it_cannot_hold() -> None:
+    raw = torch.from_numpy(blocks(Q.Q4_K, 40, 256))
+    assert kq.kquant_pack_lanes(raw, int(Q.Q4_K), 256) is None  # 40 rows: not strips of 32
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        torch.ops.deepinfer_cpu.kquant_pack_lanes(raw, int(Q.Q4_K), 256)
+    lanes = kq.kquant_pack_lanes(torch.from_numpy(blocks(Q.Q4_K, 32, 256)), int(Q.Q4_K), 256)
+    with pytest.raises(RuntimeError, match="do not hold"):
+        kq.kquant_lanes_linear(torch.zeros(2, 512), lanes, int(Q.Q4_K))
+    with pytest.raises(RuntimeError, match="do not hold"):
+        kq.kquant_lanes_linear(torch.zeros(2, 256), lanes, int(Q.Q6_K))
+
+
 # bf16 tiles: the weight, the activations and the output each rounded to bf16 (2^-9 relative)
 BF16_TOL = 2**-6
 
@@ -82,11 +111,12 @@ def test_dequantized_tiles_match_reference(qtype: Q, m: int, bf16: bool) -> None
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
 def test_extreme_codes_and_activations_do_not_overflow(qtype: Q) -> None:
     """Every weight at its largest code against activations at +-127: the u8 x s8 sums must
-    not saturate anywhere."""
+    not saturate anywhere (the streaming kernel, int8 tiles, the lanes copy)."""
     per, size = GGML_QUANT_SIZES[qtype]
-    raw = np.full((4, 2 * size), 0xFF, dtype=np.uint8)
+    raw = np.full((32, 2 * size), 0xFF, dtype=np.uint8)
     for at in FP16_AT[qtype]:
-        raw.reshape(4, 2, size)[..., at:at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
+        raw.reshape(32, 2, size)[..., at:at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
+    lanes = kq.kquant_pack_lanes(torch.from_numpy(raw), int(qtype), 2 * per)
     for rows in (3, 21):  # the streaming kernel; int8 tiles
         x = torch.full((rows, 2 * per), 5.0)
         x[1::2] = -5.0
@@ -94,6 +124,10 @@ def test_extreme_codes_and_activations_do_not_overflow(qtype: Q) -> None:
         got = kq.kquant_linear(x, torch.from_numpy(raw), int(qtype))
         torch.testing.assert_close(got, expected, rtol=1e-5,
                                    atol=1e-5 * expected.abs().max().item())
+        if lanes is not None:
+            got = kq.kquant_lanes_linear(x, lanes, int(qtype))
+            torch.testing.assert_close(got, expected, rtol=1e-5,
+                                       atol=1e-5 * expected.abs().max().item())
 
 
 def test_refuses_what_it_cannot_read() -> None:
@@ -107,22 +141,25 @@ def test_refuses_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 8, 16, 17, 40])
-def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int) -> None:
-    """The layer's choice: the streaming kernel up to 16 rows, int8 tiles above (or
-    dequantized tiles where not built); a column shard (tensor parallelism) along whole
-    super-blocks reads the same bytes."""
-    raw = blocks(qtype, 24, 1024, seed=rows)
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("pack", [False, True], ids=["one-copy", "lanes"])
+def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int, pack: bool) -> None:
+    """The layer's choice: with the lanes copy (`pack`, 32 rows) it from 3 rows; else the
+    streaming kernel up to 16 rows, int8 tiles above (or dequantized tiles where not built); a
+    column shard (tensor parallelism) along whole super-blocks reads the same bytes."""
+    raw = blocks(qtype, 32 if pack else 24, 1024, seed=rows)
     weight = QuantizedWeight(torch.from_numpy(raw), None, None, int(qtype))
     ref_w = reference_weight(raw, qtype, 1024)
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
     int8 = rows <= kq.SMALL_M or kq.int8_tiles()
     expected = (quantize_activations(x, 256) if int8 else x) @ ref_w.T
-    got = QuantizedMatmul(weight, None)(x)
+    matmul = QuantizedMatmul(weight, None, pack=pack)
+    assert (matmul.lanes is not None) == (pack and kq.int8_tiles())
+    got = matmul(x)
     tol = BF16_TOL if not int8 and kq.BF16_TILES else 1e-4
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())
     shard = weight.narrow(1, 256, 512)
-    assert tuple(shard.shape) == (24, 512)
+    assert tuple(shard.shape) == (raw.shape[0], 512)
     torch.testing.assert_close(shard.dequantize(), ref_w[:, 256:768], rtol=0, atol=0)
     with pytest.raises(ValueError, match="cannot be split"):
         weight.narrow(1, 128, 256)

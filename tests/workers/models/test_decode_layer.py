@@ -15,6 +15,7 @@ from deepinfer.engine.protocol import (
     pack_ids,
 )
 from deepinfer.kernels.cpu import decode_layer as cpu_decode_layer
+from deepinfer.kernels.cpu import kquant_linear
 from scripts.tiny_models import save_tiny_model
 
 pytestmark = pytest.mark.skipif(
@@ -123,9 +124,10 @@ def _part_weight(kind: int | None, rows: int, cols: int, rng: np.random.Generato
     return QuantizedWeight(torch.from_numpy(raw.reshape(rows, -1)), None, None, kind)
 
 
-def _as_kquant_parts(runner, seed: int) -> None:
+def _as_kquant_parts(runner, seed: int, pack: bool = True) -> None:
     """Every decoder linear becomes parts of mixed K-quant / bf16 weights (as a Q4_K_M file's
-    q | k | v), the same for every runner given the same seed."""
+    q | k | v), the same for every runner given the same seed; `pack`: K-quant parts keep
+    their lanes copy."""
     from deepinfer.workers.layers.linear import Linear
 
     rng = np.random.default_rng(seed)
@@ -139,23 +141,27 @@ def _as_kquant_parts(runner, seed: int) -> None:
         for name, r in rows.items():
             mod.quantized_parts[name] = _part_weight(_PART_TYPES[n % 4], r, mod.in_features, rng)
             n += 1
-        assert mod._finalize_quantized(None)
+        assert mod._finalize_quantized(None, pack=pack)
     runner.model.model.finalize()
 
 
 @pytest.mark.parametrize("batch", [3, 20])  # the parts' small-M kernels / their GEMM paths
-def test_kquant_and_bf16_parts_match_python_layers(tmp_path, batch: int) -> None:
+@pytest.mark.parametrize("pack", [False, True], ids=["blocks", "lanes"])
+def test_kquant_and_bf16_parts_match_python_layers(tmp_path, batch: int, pack: bool) -> None:
     """GGUF K-quant and bf16 linears (parts of mixed types side by side) inside the one-call
-    layer against the Python layers calling the same kernels one by one."""
+    layer against the Python layers calling the same kernels one by one: on the blocks as
+    stored, or (`pack`) on their lanes copies."""
     from deepinfer.workers.model_runner import ModelRunner
 
     model_dir = save_tiny_model(tmp_path, "llama", hidden_size=256, intermediate_size=512,
                                 num_hidden_layers=2)
     cfg = EngineConfig(model=str(model_dir), num_kv_blocks=10 * batch, block_size=4)
     fast, slow = ModelRunner(cfg), ModelRunner(cfg)
-    _as_kquant_parts(fast, 5)
-    _as_kquant_parts(slow, 5)
+    _as_kquant_parts(fast, 5, pack)
+    _as_kquant_parts(slow, 5, pack)
     layer = fast.model.model.fast_layers[0]
+    lanes = [t for t in layer.qkv.part_lanes if t.numel()]
+    assert bool(lanes) == (pack and kquant_linear.int8_tiles())
     assert set(layer.qkv.part_kinds) == {12, 14, 13} and 0 in layer.gate_up.part_kinds + \
         layer.down.part_kinds + layer.o.part_kinds, "every kind of part should be in use"
     slow.model.model.fast_layers = None
