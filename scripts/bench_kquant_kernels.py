@@ -4,11 +4,13 @@
     .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf prefill --rows 256
     .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf stack
 
-* decode: every K-quant linear of the decoder layers once (one token's weight reads), at 1 and
-  8 rows through `kquant_linear`: best of 6 passes, ms and GB/s of weight bytes;
-* prefill: the first two layers' linears at `--rows` rows through `kquant_linear` (int8 tiles,
-  where built with AVX512-VNNI) and `kquant_dequant_linear` (bf16 slabs + oneDNN), alternated:
-  best of 4 each, GFLOPS;
+* decode: every K-quant linear of the decoder layers once (one token's weight reads), at 1, 4,
+  8 and 16 rows through `kquant_linear` (the streaming kernel on the blocks) and, where built
+  with AVX512-VNNI, `kquant_lanes_linear` (the lanes copy): best of 5 passes, ms and GB/s of
+  weight bytes;
+* prefill: the first two layers' linears at `--rows` rows through `kquant_dequant_linear` (bf16
+  slabs + oneDNN) and, with AVX512-VNNI, `kquant_linear` (the integer GEMM, strips packed per
+  call) and `kquant_lanes_linear` (the lanes copy), alternated: best of 4 each, GFLOPS;
 * stack: a batch-1 decode step (`ModelRunner.all_logits`, 128-token prompt) with and without the
   one-call decode layer, alternated step by step in one process: medians.
 """
@@ -43,32 +45,49 @@ def best_seconds(repeats: int, run) -> float:
     return best
 
 
+def with_lanes(ws: list) -> list:
+    """ws with each weight's lanes copy (None where it has none)."""
+    from deepinfer.kernels.cpu import kquant_linear as kq
+
+    return [(name, b, ty, k, kq.kquant_pack_lanes(b, ty, k)) for name, b, ty, k in ws]
+
+
 def decode(path: str) -> None:
     from deepinfer.kernels.cpu import kquant_linear as kq
 
-    ws = kquant_weights(path)
-    nbytes = sum(b.numel() for _, b, _, _ in ws)
-    for m in (1, 8):
-        xs = {k: torch.randn(m, k) for *_, k in ws}
-        best = best_seconds(6, lambda xs=xs: [kq.kquant_linear(xs[k], b, ty) for _, b, ty, k in ws])
-        print(f"{len(ws)} linears, {nbytes / 1e6:.0f} MB, {m} row(s): {best * 1e3:.1f} ms "
-              f"({nbytes / best / 1e9:.1f} GB/s)")
+    ws = with_lanes(kquant_weights(path))
+    nbytes = sum(b.numel() for _, b, *_ in ws)
+    lanes = kq.int8_tiles() and all(lane is not None for *_, lane in ws)
+    for m in (1, 4, 8, 16):
+        xs = {k: torch.randn(m, k) for _, _, _, k, _ in ws}
+        paths = {"streaming": lambda: [kq.kquant_linear(xs[k], b, ty) for _, b, ty, k, _ in ws]}
+        if lanes:
+            paths["lanes"] = lambda: [kq.kquant_lanes_linear(xs[k], lane, ty)
+                                      for _, _, ty, k, lane in ws]
+        for name, run in paths.items():
+            best = best_seconds(5, run)
+            print(f"{len(ws)} linears, {nbytes / 1e6:.0f} MB, {m} row(s), {name}: "
+                  f"{best * 1e3:.1f} ms ({nbytes / best / 1e9:.1f} GB/s)")
 
 
 def prefill(path: str, rows: int) -> None:
     from deepinfer.kernels.cpu import kquant_linear as kq
 
-    ws = [w for w in kquant_weights(path) if w[0].startswith(("blk.0.", "blk.1."))]
-    flops = sum(2 * rows * k * b.shape[0] for _, b, _, k in ws)
-    xs = {k: torch.randn(rows, k) for *_, k in ws}
-    paths = {"bf16 slabs": kq.kquant_dequant_linear}
+    ws = with_lanes([w for w in kquant_weights(path) if w[0].startswith(("blk.0.", "blk.1."))])
+    flops = sum(2 * rows * k * b.shape[0] for _, b, _, k, _ in ws)
+    xs = {k: torch.randn(rows, k) for _, _, _, k, _ in ws}
+    paths = {"bf16 slabs": lambda: [kq.kquant_dequant_linear(xs[k], b, ty)
+                                    for _, b, ty, k, _ in ws]}
     if kq.int8_tiles():
-        paths["int8 tiles"] = kq.kquant_linear
+        paths["int8, packed per call"] = lambda: [kq.kquant_linear(xs[k], b, ty)
+                                                  for _, b, ty, k, _ in ws]
+        if all(lane is not None for *_, lane in ws):
+            paths["int8, lanes copy"] = lambda: [kq.kquant_lanes_linear(xs[k], lane, ty)
+                                                 for _, _, ty, k, lane in ws]
     best = dict.fromkeys(paths, float("inf"))
     for _ in range(4):
-        for name, linear in paths.items():
-            best[name] = min(best[name], best_seconds(
-                1, lambda linear=linear: [linear(xs[k], b, ty) for _, b, ty, k in ws]))
+        for name, run in paths.items():
+            best[name] = min(best[name], best_seconds(1, run))
     for name, seconds in best.items():
         print(f"two layers at {rows} rows, {name}: {seconds * 1e3:.1f} ms "
               f"({flops / seconds / 1e9:.0f} GFLOPS)")
