@@ -60,10 +60,11 @@ def decode(path: str) -> None:
     lanes = kq.int8_tiles() and all(lane is not None for *_, lane in ws)
     for m in (1, 4, 8, 16):
         xs = {k: torch.randn(m, k) for _, _, _, k, _ in ws}
-        paths = {"streaming": lambda: [kq.kquant_linear(xs[k], b, ty) for _, b, ty, k, _ in ws]}
+        paths = {"streaming": lambda xs=xs: [kq.kquant_linear(xs[k], b, ty)
+                                             for _, b, ty, k, _ in ws]}
         if lanes:
-            paths["lanes"] = lambda: [kq.kquant_lanes_linear(xs[k], lane, ty)
-                                      for _, _, ty, k, lane in ws]
+            paths["lanes"] = lambda xs=xs: [kq.kquant_lanes_linear(xs[k], lane, ty)
+                                            for _, _, ty, k, lane in ws]
         for name, run in paths.items():
             best = best_seconds(5, run)
             print(f"{len(ws)} linears, {nbytes / 1e6:.0f} MB, {m} row(s), {name}: "
