@@ -4,7 +4,7 @@
     .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf prefill --rows 256
     .venv/bin/python scripts/bench_kquant_kernels.py /tmp/models/1b/Q4_K_M.gguf stack
 
-* decode: every K-quant linear of the decoder layers once (one token's weight reads), at 1, 4,
+* decode: every K-quant linear of the decoder layers once (one token's weight reads), at 1-4,
   8 and 16 rows through `kquant_linear` (the streaming kernel on the blocks) and, where built
   with AVX512-VNNI, `kquant_lanes_linear` (the lanes copy): best of 5 passes, ms and GB/s of
   weight bytes;
@@ -58,7 +58,7 @@ def decode(path: str) -> None:
     ws = with_lanes(kquant_weights(path))
     nbytes = sum(b.numel() for _, b, *_ in ws)
     lanes = kq.int8_tiles() and all(lane is not None for *_, lane in ws)
-    for m in (1, 4, 8, 16):
+    for m in (1, 2, 3, 4, 8, 16):
         xs = {k: torch.randn(m, k) for _, _, _, k, _ in ws}
         paths = {"streaming": lambda xs=xs: [kq.kquant_linear(xs[k], b, ty)
                                              for _, b, ty, k, _ in ws]}

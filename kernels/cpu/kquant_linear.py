@@ -11,7 +11,7 @@ native kernels (csrc/kquant_linear.cpp).
   to bf16, 2^-9 relative each), else float32.
 - `kquant_pack_lanes` / `kquant_lanes_linear`: the weight repacked once (at load, a second copy
   of about its size) into strips of 16 output rows whose codes unpack straight into the int8
-  GEMM's lanes, for any row count above LANES_MIN_ROWS (the streaming kernel is faster below):
+  GEMM's lanes, from LANES_MIN_ROWS rows (the streaming kernel is faster below):
   at 8 rows ~1.6x the streaming kernel (which is compute-bound there), the GEMM without the
   per-call unpacking at prefill. Needs `int8_tiles()` and N a multiple of 32.
 - `kquant_dequantize`: the float32 rows (embedding lookups, the reference's weight).
@@ -28,7 +28,7 @@ from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("kquant_linear", "kquant_linear.cpp", "kquant_linear")
 SMALL_M = 16  # the rows kquant_linear takes; more go through dequantized tiles
-LANES_MIN_ROWS = 3  # the fewest rows kquant_lanes_linear takes (kernels/cpu/csrc/decode_layer.cpp)
+LANES_MIN_ROWS = 4  # the fewest rows kquant_lanes_linear takes (kernels/cpu/csrc/decode_layer.cpp)
 BF16_TILES = torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 

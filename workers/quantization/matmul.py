@@ -14,7 +14,7 @@
 - More rows, other layouts (fp8): dequantized tiles and a float32 GEMM, natively, activations
   as they are.
 - K-quants (GGUF Q4_K, Q5_K, Q6_K super-blocks as stored): kernels/cpu/kquant_linear.py. With
-  AVX512-VNNI and the second copy kept, from 3 rows the lanes copy (repacked at load for the
+  AVX512-VNNI and the second copy kept, from 4 rows the lanes copy (repacked at load for the
   integer GEMM), below that the streaming kernel on the blocks; with one copy, the streaming
   kernel up to its SMALL_M rows (16: an 8-stream decode step reads the weight once), above it
   the integer GEMM unpacking the blocks per call (without VNNI dequantized tiles and a bf16 or

@@ -71,7 +71,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 // The kernels' own row limits for K-quant and bf16 weights (kernels/cpu/kquant_linear.py,
 // bf16_linear.py SMALL_M; kquant_linear.py LANES_MIN_ROWS).
 constexpr int64_t kPartsSmallM = 16;
-constexpr int64_t kLanesMinRows = 3;
+constexpr int64_t kLanesMinRows = 4;
 constexpr int64_t kBf16Part = 0;  // a part's kind: 0 a bf16 weight, else its ggml type
 
 // A linear's weights as K-quant / bf16 parts, each the rows of the output it owns.

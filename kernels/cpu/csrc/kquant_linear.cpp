@@ -395,7 +395,7 @@ void group_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t 
 #endif
 
 #ifdef KQ_VNNI
-// The integer GEMM (prefill, larger batches, and with the lanes copy from 3 rows): activations
+// The integer GEMM (prefill, larger batches, and with the lanes copy from 4 rows): activations
 // int8 per 256 as in the decode kernel; the weight's codes as u8 lanes, each 32-bit lane one
 // output row's 4 consecutive codes, so one VPDPBUSD is 16 outputs x 4 products for an
 // activation row (its 4 bytes broadcast): 64 products an instruction, where a bf16 GEMM makes

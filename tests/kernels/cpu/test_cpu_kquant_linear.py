@@ -141,10 +141,10 @@ def test_refuses_what_it_cannot_read() -> None:
 
 
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
-@pytest.mark.parametrize("rows", [1, 2, 3, 8, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 8, 16, 17, 40])
 @pytest.mark.parametrize("pack", [False, True], ids=["one-copy", "lanes"])
 def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int, pack: bool) -> None:
-    """The layer's choice: with the lanes copy (`pack`, 32 rows) it from 3 rows; else the
+    """The layer's choice: with the lanes copy (`pack`, 32 rows) it from 4 rows; else the
     streaming kernel up to 16 rows, int8 tiles above (or dequantized tiles where not built); a
     column shard (tensor parallelism) along whole super-blocks reads the same bytes."""
     raw = blocks(qtype, 32 if pack else 24, 1024, seed=rows)
