@@ -52,6 +52,15 @@ def with_lanes(ws: list) -> list:
     return [(name, b, ty, k, kq.kquant_pack_lanes(b, ty, k)) for name, b, ty, k in ws]
 
 
+def best_alternated(paths: dict, repeats: int) -> dict[str, float]:
+    """Each path's best seconds of `repeats` runs, the paths taking turns."""
+    best = dict.fromkeys(paths, float("inf"))
+    for _ in range(repeats):
+        for name, run in paths.items():
+            best[name] = min(best[name], best_seconds(1, run))
+    return best
+
+
 def decode(path: str) -> None:
     from deepinfer.kernels.cpu import kquant_linear as kq
 
@@ -85,11 +94,7 @@ def prefill(path: str, rows: int) -> None:
         if all(lane is not None for *_, lane in ws):
             paths["int8, lanes copy"] = lambda: [kq.kquant_lanes_linear(xs[k], lane, ty)
                                                  for _, _, ty, k, lane in ws]
-    best = dict.fromkeys(paths, float("inf"))
-    for _ in range(4):
-        for name, run in paths.items():
-            best[name] = min(best[name], best_seconds(1, run))
-    for name, seconds in best.items():
+    for name, seconds in best_alternated(paths, 4).items():
         print(f"two layers at {rows} rows, {name}: {seconds * 1e3:.1f} ms "
               f"({flops / seconds / 1e9:.0f} GFLOPS)")
 

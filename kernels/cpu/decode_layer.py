@@ -50,7 +50,8 @@ class LinearWeights:
     # differ in type): each part's kernel at any row count; `plain` is then EMPTY.
     parts: tuple[torch.Tensor, ...] = ()
     part_kinds: tuple[int, ...] = ()  # PART_BF16, or the part's ggml type
-    part_lanes: tuple[torch.Tensor, ...] = ()  # a K-quant part's lanes copy, or EMPTY
+    # a part's second copy (a K-quant's lanes, a bf16 weight's strips), or EMPTY
+    part_lanes: tuple[torch.Tensor, ...] = ()
 
     def takes_any_rows(self) -> bool:
         return self.packed is not None or self.int_gemm or bool(self.parts)

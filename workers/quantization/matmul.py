@@ -20,8 +20,8 @@
   the integer GEMM unpacking the blocks per call (without VNNI dequantized tiles and a bf16 or
   float32 GEMM).
 - bf16 (a bf16 checkpoint's weights under a float32 model): kernels/cpu/bf16_linear.py, the
-  AVX512-BF16 streaming kernel up to 16 rows, oneDNN's bf16 GEMM above; activations rounded to
-  bf16 in both.
+  AVX512-BF16 streaming kernel up to 16 rows (on its strips copy, where kept),
+  oneDNN's bf16 GEMM above; activations rounded to bf16 in all.
 - More rows, int8 per output channel, with DEEPINFER_INT8_DYNAMIC_ACTIVATIONS=1: FBGEMM's
   u8 x s8 GEMM (`quantized::linear_dynamic`) instead, activations quantized per token to 7 bits
   (AVX2's reduce_range): ~10 % faster end to end at 64 concurrent than the integer GEMM (7 bits
@@ -71,6 +71,9 @@ def packed_bytes(weight: QuantizedWeight) -> int:
     if weight.ggml_type is not None:
         takes = weight.shape[0] % 32 == 0 and kquant_linear.int8_tiles()
         return weight.qweight.numel() if takes else 0
+    if weight.kind == "bf16":  # the strips copy (bf16_pack_strips)
+        takes = weight.shape[0] % 32 == 0 and weight.shape[1] % 2 == 0
+        return weight.qweight.numel() * 2 if takes else 0
     if not int_gemm_takes(weight):
         return 0
     rows, k = weight.shape
@@ -86,7 +89,9 @@ class QuantizedMatmul:
         self.kquant = weight.ggml_type
         self.packed = self.tiles = None
         self.int_gemm = self.kquant_int8_tiles = False
-        self.lanes = None  # K-quants: the lanes copy (kquant_pack_lanes), if kept
+        # The second copy decode batches of 4 rows up read, if kept: K-quants' lanes
+        # (kquant_pack_lanes), bf16 weights' strips (bf16_pack_strips).
+        self.lanes = None
         if self.kquant is not None:  # K-quant blocks: their own kernels
             self.native = weight.qweight.device.type == "cpu" and kquant_linear.available()
             self.kquant_int8_tiles = self.native and kquant_linear.int8_tiles()
@@ -96,6 +101,8 @@ class QuantizedMatmul:
             return
         if weight.kind == "bf16":
             self.native = weight.qweight.device.type == "cpu" and bf16_linear.available()
+            if self.native and pack:
+                self.lanes = bf16_linear.bf16_pack_strips(self.weight.qweight)
             return
         self.native = weight.qweight.device.type == "cpu" and native.available(
             torch.empty(1, weight.shape[1]))
@@ -122,7 +129,10 @@ class QuantizedMatmul:
             return F.linear(x, w.dequantize(x.dtype), self.bias)
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if w.scales is None and self.kquant is None:  # bf16
-            if rows <= bf16_linear.SMALL_M:
+            small = rows <= bf16_linear.SMALL_M
+            if small and self.lanes is not None and rows >= bf16_linear.STRIPS_MIN_ROWS:
+                return bf16_linear.bf16_strips_linear(x, self.lanes, self.bias)
+            if small:
                 return bf16_linear.bf16_linear_small_m(x, w.qweight, self.bias)
             return bf16_linear.bf16_linear(x, w.qweight, self.bias)
         if self.kquant is not None:

@@ -69,16 +69,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 }
 
 // The kernels' own row limits for K-quant and bf16 weights (kernels/cpu/kquant_linear.py,
-// bf16_linear.py SMALL_M; kquant_linear.py LANES_MIN_ROWS).
+// bf16_linear.py SMALL_M; kquant_linear.py LANES_MIN_ROWS, bf16_linear.py STRIPS_MIN_ROWS).
 constexpr int64_t kPartsSmallM = 16;
 constexpr int64_t kLanesMinRows = 4;
+constexpr int64_t kStripsMinRows = 1;
 constexpr int64_t kBf16Part = 0;  // a part's kind: 0 a bf16 weight, else its ggml type
 
 // A linear's weights as K-quant / bf16 parts, each the rows of the output it owns.
 struct Parts {
   std::vector<at::Tensor> weights;
   std::vector<int64_t> kinds;
-  std::vector<at::Tensor> lanes;  // a K-quant part's lanes copy (kquant_pack_lanes), or empty
+  // a part's second copy (a K-quant's lanes, a bf16 weight's strips), or an empty tensor
+  std::vector<at::Tensor> lanes;
   bool bf16_tiles = false;  // K-quant above kPartsSmallM rows without int8 tiles: bf16 tiles
 };
 
@@ -98,8 +100,15 @@ at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor
       static const auto bf16_small_m =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
               "deepinfer_cpu::bf16_linear_small_m");
-      outs.push_back(small ? bf16_small_m.call(x, w, std::nullopt)
-                           : at::linear(x.to(at::kBFloat16), w).to(at::kFloat));
+      static const auto bf16_strips =
+          op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
+              "deepinfer_cpu::bf16_strips_linear");
+      if (small && parts.lanes[i].numel() > 0 && x.size(0) >= kStripsMinRows) {
+        outs.push_back(bf16_strips.call(x, parts.lanes[i], std::nullopt));
+      } else {
+        outs.push_back(small ? bf16_small_m.call(x, w, std::nullopt)
+                             : at::linear(x.to(at::kBFloat16), w).to(at::kFloat));
+      }
     } else if (parts.lanes[i].numel() > 0 && x.size(0) >= kLanesMinRows) {
       static const auto kquant_lanes =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(

@@ -61,6 +61,44 @@ def test_kernel_matches_the_rounded_reference() -> None:
                                    rtol=2**-8, atol=1e-5 * scale)
 
 
+def test_strips_copy_matches_the_rounded_reference() -> None:
+    """The strips copy (16 rows a line): rows in even groups of up to 8 against strip pairs;
+    the same rounded products as the row-major kernel."""
+    if bf16_linear.bf16_pack_strips(torch.zeros(32, 64, dtype=torch.bfloat16)) is None:
+        pytest.skip("the strips copy needs AVX512-BF16")
+    gen = torch.Generator().manual_seed(1)
+    for m, n, k in ((1, 32, 64), (4, 64, 2048), (8, 96, 96), (9, 32, 514), (16, 64, 256),
+                    (20, 32, 128)):
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen).bfloat16()
+        bias = torch.randn(n, generator=gen)
+        expected = x.bfloat16().float() @ w.float().T + bias
+        strips = bf16_linear.bf16_pack_strips(w)
+        assert strips.shape == w.shape and not torch.equal(strips, w)  # reordered, same size
+        torch.testing.assert_close(bf16_linear.bf16_strips_linear(x, strips, bias), expected,
+                                   rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+    for shape in ((40, 64), (32, 63)):  # rows not strips of 32, an odd row length
+        assert bf16_linear.bf16_pack_strips(torch.zeros(shape, dtype=torch.bfloat16)) is None
+    with pytest.raises(RuntimeError, match="do not hold"):
+        bf16_linear.bf16_strips_linear(torch.zeros(2, 32), strips)
+
+
+@pytest.mark.parametrize("pack", [False, True], ids=["one-copy", "strips"])
+def test_bf16_matmul_takes_every_row_count(pack: bool) -> None:
+    from deepinfer.workers.quantization.matmul import QuantizedMatmul
+
+    gen = torch.Generator().manual_seed(2)
+    w = torch.randn(64, 256, generator=gen).bfloat16()
+    matmul = QuantizedMatmul(QuantizedWeight(w, None), None, pack=pack)
+    assert (matmul.lanes is not None) == (
+        pack and bf16_linear.bf16_pack_strips(w[:32, :64].contiguous()) is not None)
+    for rows in (1, 3, 4, 8, 16, 17):
+        x = torch.randn(rows, 256, generator=gen)
+        expected = x.bfloat16().float() @ w.float().T
+        tol = 2**-8 if rows > bf16_linear.SMALL_M else 1e-5  # oneDNN's output rounded to bf16
+        torch.testing.assert_close(matmul(x), expected, rtol=tol,
+                                   atol=1e-5 * expected.abs().max().item())
+
+
 def test_bf16_weights_stay_bf16_and_follow_hf(bf16_model, prompts) -> None:  # noqa: F811
     got = check_against(bf16_model, None, bf16_model, prompts, rounded_prompt=True)
     model = got["runner"].model
