@@ -66,7 +66,7 @@ def decode(path: str) -> None:
 
     ws = with_lanes(kquant_weights(path))
     nbytes = sum(b.numel() for _, b, *_ in ws)
-    lanes = kq.int8_tiles() and all(lane is not None for *_, lane in ws)
+    lanes = kq.int8_gemm() and all(lane is not None for *_, lane in ws)
     for m in (1, 2, 3, 4, 8, 16):
         xs = {k: torch.randn(m, k) for _, _, _, k, _ in ws}
         paths = {"streaming": lambda xs=xs: [kq.kquant_linear(xs[k], b, ty)
@@ -88,7 +88,7 @@ def prefill(path: str, rows: int) -> None:
     xs = {k: torch.randn(rows, k) for _, _, _, k, _ in ws}
     paths = {"bf16 slabs": lambda: [kq.kquant_dequant_linear(xs[k], b, ty)
                                     for _, b, ty, k, _ in ws]}
-    if kq.int8_tiles():
+    if kq.int8_gemm():
         paths["int8, packed per call"] = lambda: [kq.kquant_linear(xs[k], b, ty)
                                                   for _, b, ty, k, _ in ws]
         if all(lane is not None for *_, lane in ws):

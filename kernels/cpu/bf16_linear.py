@@ -16,7 +16,6 @@ from deepinfer.kernels.cpu.native import NativeOp
 
 _OP = NativeOp("bf16_linear", "bf16_linear.cpp", "bf16_linear_small_m")
 SMALL_M = 16  # the rows the streaming kernel takes; more go through the GEMM
-STRIPS_MIN_ROWS = 1  # the fewest rows bf16_strips_linear takes (csrc/decode_layer.cpp's too)
 
 
 def available() -> bool:

@@ -3,8 +3,8 @@ native kernels (csrc/kquant_linear.cpp).
 
 - `kquant_linear`: activations as int8 per 256 (llama.cpp's Q8_K). Decode batches (up to
   SMALL_M rows) are bound by reading the weight: the super-blocks stream once for all rows.
-  Where `int8_tiles()` (AVX512-VNNI), more rows (prefill) go through u8 tiles of the weight and
-  an integer GEMM: 64 products an instruction, twice a bf16 GEMM's.
+  Where `int8_gemm()` (AVX512-VNNI), more rows (prefill) go through an integer GEMM on the
+  weight's codes as u8 lanes, packed per call: 64 products an instruction, twice a bf16 GEMM's.
 - `kquant_dequant_linear`: any M, through dequantized tiles and a GEMM (prefill without
   AVX512-VNNI): bf16 tiles, activations and products where oneDNN has a bf16 GEMM
   (AVX512-BF16: ~2x float32's at 256 rows here; the tile, the activations and the output rounded
@@ -13,7 +13,7 @@ native kernels (csrc/kquant_linear.cpp).
   of about its size) into strips of 16 output rows whose codes unpack straight into the int8
   GEMM's lanes, from LANES_MIN_ROWS rows (the streaming kernel is faster below):
   at 8 rows ~1.6x the streaming kernel (which is compute-bound there), the GEMM without the
-  per-call unpacking at prefill. Needs `int8_tiles()` and N a multiple of 32.
+  per-call unpacking at prefill. Needs `int8_gemm()` and N a multiple of 32.
 - `kquant_dequantize`: the float32 rows (embedding lookups, the reference's weight).
 
 `blocks` is uint8 [N, K / 256 * block bytes] (workers/quantization/weight.py's "k-quant"
@@ -37,10 +37,10 @@ def available(*tensors: torch.Tensor) -> bool:
     return _OP.available(*tensors)
 
 
-def int8_tiles() -> bool:
+def int8_gemm() -> bool:
     """True when `kquant_linear` takes any row count (the build has AVX512-VNNI): callers
     need `kquant_dequant_linear` above SMALL_M only where this is False."""
-    return available() and bool(_OP.sibling("kquant_int8_tiles")())
+    return available() and bool(_OP.sibling("kquant_int8_gemm")())
 
 
 def build_error() -> str | None:
@@ -50,7 +50,8 @@ def build_error() -> str | None:
 def kquant_linear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int,
                   bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [..., K] float32 -> [..., N]: up to SMALL_M rows reading the blocks once for all of
-    them; more through int8 tiles where `int8_tiles()` (else one element at a time: slow)."""
+    them; more through the integer GEMM where `int8_gemm()` (else one element at a time:
+    slow)."""
     return _OP(x, blocks, ggml_type, bias)
 
 
@@ -69,7 +70,7 @@ def kquant_dequantize(blocks: torch.Tensor, ggml_type: int, cols: int) -> torch.
 def kquant_pack_lanes(blocks: torch.Tensor, ggml_type: int, cols: int) -> torch.Tensor | None:
     """The lanes layout of [N, cols] blocks, or None where it does not apply (no AVX512-VNNI,
     N not a multiple of 32)."""
-    if not int8_tiles() or blocks.shape[0] % 32:
+    if not int8_gemm() or blocks.shape[0] % 32:
         return None
     return _OP.sibling("kquant_pack_lanes")(blocks, ggml_type, cols)
 

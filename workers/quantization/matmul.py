@@ -69,7 +69,7 @@ def packed_bytes(weight: QuantizedWeight) -> int:
     """What the integer GEMM's pre-packed copy of `weight` takes (0: it takes no such copy);
     for K-quants, the lanes copy (about the blocks' own size)."""
     if weight.ggml_type is not None:
-        takes = weight.shape[0] % 32 == 0 and kquant_linear.int8_tiles()
+        takes = weight.shape[0] % 32 == 0 and kquant_linear.int8_gemm()
         return weight.qweight.numel() if takes else 0
     if weight.kind == "bf16":  # the strips copy (bf16_pack_strips)
         takes = weight.shape[0] % 32 == 0 and weight.shape[1] % 2 == 0
@@ -88,14 +88,14 @@ class QuantizedMatmul:
         self.bias = bias
         self.kquant = weight.ggml_type
         self.packed = self.tiles = None
-        self.int_gemm = self.kquant_int8_tiles = False
+        self.int_gemm = self.kquant_int8_gemm = False
         # The second copy decode batches of 4 rows up read, if kept: K-quants' lanes
         # (kquant_pack_lanes), bf16 weights' strips (bf16_pack_strips).
         self.lanes = None
         if self.kquant is not None:  # K-quant blocks: their own kernels
             self.native = weight.qweight.device.type == "cpu" and kquant_linear.available()
-            self.kquant_int8_tiles = self.native and kquant_linear.int8_tiles()
-            if self.kquant_int8_tiles and pack:
+            self.kquant_int8_gemm = self.native and kquant_linear.int8_gemm()
+            if self.kquant_int8_gemm and pack:
                 self.lanes = kquant_linear.kquant_pack_lanes(self.weight.qweight, self.kquant,
                                                              self.weight.shape[1])
             return
@@ -130,7 +130,7 @@ class QuantizedMatmul:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if w.scales is None and self.kquant is None:  # bf16
             small = rows <= bf16_linear.SMALL_M
-            if small and self.lanes is not None and rows >= bf16_linear.STRIPS_MIN_ROWS:
+            if small and self.lanes is not None:  # the strips copy: every decode batch
                 return bf16_linear.bf16_strips_linear(x, self.lanes, self.bias)
             if small:
                 return bf16_linear.bf16_linear_small_m(x, w.qweight, self.bias)
@@ -138,7 +138,7 @@ class QuantizedMatmul:
         if self.kquant is not None:
             if self.lanes is not None and rows >= kquant_linear.LANES_MIN_ROWS:
                 return kquant_linear.kquant_lanes_linear(x, self.lanes, self.kquant, self.bias)
-            if rows <= kquant_linear.SMALL_M or self.kquant_int8_tiles:
+            if rows <= kquant_linear.SMALL_M or self.kquant_int8_gemm:
                 return kquant_linear.kquant_linear(x, w.qweight, self.kquant, self.bias)
             return kquant_linear.kquant_dequant_linear(x, w.qweight, self.kquant, self.bias)
         if rows <= SMALL_M:

@@ -69,10 +69,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
 }
 
 // The kernels' own row limits for K-quant and bf16 weights (kernels/cpu/kquant_linear.py,
-// bf16_linear.py SMALL_M; kquant_linear.py LANES_MIN_ROWS, bf16_linear.py STRIPS_MIN_ROWS).
+// bf16_linear.py SMALL_M; kquant_linear.py LANES_MIN_ROWS).
 constexpr int64_t kPartsSmallM = 16;
 constexpr int64_t kLanesMinRows = 4;
-constexpr int64_t kStripsMinRows = 1;
 constexpr int64_t kBf16Part = 0;  // a part's kind: 0 a bf16 weight, else its ggml type
 
 // A linear's weights as K-quant / bf16 parts, each the rows of the output it owns.
@@ -81,12 +80,12 @@ struct Parts {
   std::vector<int64_t> kinds;
   // a part's second copy (a K-quant's lanes, a bf16 weight's strips), or an empty tensor
   std::vector<at::Tensor> lanes;
-  bool bf16_tiles = false;  // K-quant above kPartsSmallM rows without int8 tiles: bf16 tiles
+  bool bf16_tiles = false;  // K-quant above kPartsSmallM rows without the int8 GEMM: bf16 tiles
 };
 
 // Whether kquant_linear takes every row count (kquant_linear.cpp, built with AVX512-VNNI).
-bool kquant_int8_tiles() {
-  static const bool int8 = op<bool()>("deepinfer_cpu::kquant_int8_tiles").call();
+bool kquant_int8_gemm() {
+  static const bool int8 = op<bool()>("deepinfer_cpu::kquant_int8_gemm").call();
   return int8;
 }
 
@@ -103,7 +102,7 @@ at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor
       static const auto bf16_strips =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
               "deepinfer_cpu::bf16_strips_linear");
-      if (small && parts.lanes[i].numel() > 0 && x.size(0) >= kStripsMinRows) {
+      if (small && parts.lanes[i].numel() > 0) {  // the strips copy takes every decode batch
         outs.push_back(bf16_strips.call(x, parts.lanes[i], std::nullopt));
       } else {
         outs.push_back(small ? bf16_small_m.call(x, w, std::nullopt)
@@ -114,7 +113,7 @@ at::Tensor parts_linear(const at::Tensor& x, const Parts& parts, const OptTensor
           op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
               "deepinfer_cpu::kquant_lanes_linear");
       outs.push_back(kquant_lanes.call(x, parts.lanes[i], kind, std::nullopt));
-    } else if (small || kquant_int8_tiles()) {
+    } else if (small || kquant_int8_gemm()) {
       static const auto kquant =
           op<at::Tensor(const at::Tensor&, const at::Tensor&, int64_t, const OptTensor&)>(
               "deepinfer_cpu::kquant_linear");

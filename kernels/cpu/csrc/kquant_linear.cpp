@@ -333,7 +333,7 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
         const __m512i sc = _mm512_and_si512(
             _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))),
             low16);
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) scv[j] = _mm512_permutexvar_epi32(idx[j], sc);
         d = fp16_at(b + 208);
       } else {
@@ -341,7 +341,7 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
         scale_min_k4(b + 4, sc, mn);
         const __m512i sc32 = _mm512_castsi256_si512(
             _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(sc))));
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) scv[j] = _mm512_permutexvar_epi32(idx[j], sc32);
         d = fp16_at(b);
         mnf = _mm256_mul_ps(
@@ -352,7 +352,7 @@ void rows_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t K
       for (int m = 0; m < MG; ++m) {
         const int64_t xm = (m0 + m) * K + s * kSuper;
         __m512i acc = _mm512_setzero_si512();
-#pragma GCC unroll 8
+#pragma GCC unroll 4
         for (int j = 0; j < 4; ++j) {
           // Q6_K: the sums start at -32 x their activations' sum (stored q is q + 32)
           const __m512i init = T == KType::kQ6K ? _mm512_loadu_si512(corr + (xm + 64 * j) / 4)
@@ -394,6 +394,45 @@ void group_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t 
 }
 #endif
 
+constexpr int64_t kCols = 32;  // output rows a tile holds (vectors of 16 lanes)
+
+// ---- The lanes layout: K-quant weights repacked once (at load) for kquant_lanes_linear ----
+// Per strip of 16 output rows and super-block, one record: the codes as nibbles, 64 bytes per
+// two groups of 4 elements (byte 4c + i: element 4(2j) + i of the strip's row c in the low
+// nibble, element 4(2j + 1) + i in the high one), so a load, a shift and two ANDs give the
+// u8 lanes the integer GEMM multiplies, without fill_tile's transposes; Q5_K's fifth bits (Q6_K's
+// fifth and sixth) as 64-bit masks per group of 4 (bit 4c + i); the scales as bytes
+// [sub-block][16], the mins as int16 pairs [4][16] (two 32-blocks a multiply-add), d (and dmin)
+// as fp16 [16]. About the file's own size (Q4_K 2,496 bytes a record against 16 x 144), read
+// once per group of up to 8 activation rows.
+template <KType T>
+struct Lanes;
+template <>
+struct Lanes<KType::kQ4K> {
+  static constexpr int64_t kPlanes = 0, kScales = 2048, kMins = 2176, kD = 2432, kDmin = 2464,
+                           kRecord = 2496;
+};
+template <>
+struct Lanes<KType::kQ5K> {
+  static constexpr int64_t kPlanes = 2048, kScales = 2560, kMins = 2688, kD = 2944,
+                           kDmin = 2976, kRecord = 3008;
+};
+template <>
+struct Lanes<KType::kQ6K> {
+  static constexpr int64_t kPlanes = 2048, kScales = 3072, kMins = 0, kD = 3328, kDmin = 0,
+                           kRecord = 3392;  // 3,360 rounded up to 64
+};
+constexpr int64_t kStrip = 16;
+
+int64_t lanes_record(KType t) {
+  switch (t) {
+    case KType::kQ4K: return Lanes<KType::kQ4K>::kRecord;
+    case KType::kQ5K: return Lanes<KType::kQ5K>::kRecord;
+    case KType::kQ6K: return Lanes<KType::kQ6K>::kRecord;
+  }
+  return 0;
+}
+
 #ifdef KQ_VNNI
 // The integer GEMM (prefill, larger batches, and with the lanes copy from 4 rows): activations
 // int8 per 256 as in the decode kernel; the weight's codes as u8 lanes, each 32-bit lane one
@@ -404,7 +443,8 @@ void group_vnni(const QuantX& a, const int32_t* corr, const uint8_t* w, int64_t 
 // activation's scale, and the Q4_K / Q5_K mins meet the activations' integer sums per 32 in one
 // int16 multiply-add per two of them. The lanes come from the weight's lanes copy (repacked at
 // load, kquant_pack_lanes), or are packed per call, two strips at a time.
-constexpr int64_t kCols = 32;  // output rows a tile holds (vectors of 16 lanes)
+
+constexpr int64_t kLanesAhead = 8192;  // bytes of a strip prefetched ahead of the one read
 
 template <KType T>
 constexpr int sub_blocks() { return T == KType::kQ6K ? 16 : 8; }
@@ -482,44 +522,6 @@ std::vector<int32_t> q6_offsets(const QuantX& a, int64_t M, int64_t K) {
     sums[i] = -32 * s;
   }
   return sums;
-}
-
-// ---- The lanes layout: K-quant weights repacked once (at load) for kquant_lanes_linear ----
-// Per strip of 16 output rows and super-block, one record: the codes as nibbles, 64 bytes per
-// two groups of 4 elements (byte 4c + i: element 4(2j) + i of the strip's row c in the low
-// nibble, element 4(2j + 1) + i in the high one), so a load, a shift and two ANDs give the
-// u8 lanes the integer GEMM multiplies, without fill_tile's transposes; Q5_K's fifth bits (Q6_K's
-// fifth and sixth) as 64-bit masks per group of 4 (bit 4c + i); the scales as bytes
-// [sub-block][16], the mins as int16 pairs [4][16] (two 32-blocks a multiply-add), d (and dmin)
-// as fp16 [16]. About the file's own size (Q4_K 2,496 bytes a record against 16 x 144), read
-// once per group of up to 8 activation rows.
-template <KType T>
-struct Lanes;
-template <>
-struct Lanes<KType::kQ4K> {
-  static constexpr int64_t kPlanes = 0, kScales = 2048, kMins = 2176, kD = 2432, kDmin = 2464,
-                           kRecord = 2496;
-};
-template <>
-struct Lanes<KType::kQ5K> {
-  static constexpr int64_t kPlanes = 2048, kScales = 2560, kMins = 2688, kD = 2944,
-                           kDmin = 2976, kRecord = 3008;
-};
-template <>
-struct Lanes<KType::kQ6K> {
-  static constexpr int64_t kPlanes = 2048, kScales = 3072, kMins = 0, kD = 3328, kDmin = 0,
-                           kRecord = 3392;  // 3,360 rounded up to 64
-};
-constexpr int64_t kStrip = 16;
-constexpr int64_t kLanesAhead = 8192;  // bytes of a strip prefetched ahead of the one read
-
-int64_t lanes_record(KType t) {
-  switch (t) {
-    case KType::kQ4K: return Lanes<KType::kQ4K>::kRecord;
-    case KType::kQ5K: return Lanes<KType::kQ5K>::kRecord;
-    case KType::kQ6K: return Lanes<KType::kQ6K>::kRecord;
-  }
-  return 0;
 }
 
 // Strips [2 t, 2 t + 1] of the weight, from the u8 lanes of fill_tile's tile (its 32
@@ -784,38 +786,46 @@ void lanes_gemm(const QuantX& a, const uint8_t* lanes, const uint8_t* w, int64_t
 
 struct Prepared {
   at::Tensor x, y, bias;
-  const uint8_t* w;
-  KType t;
-  int64_t M, N, K;
+  const uint8_t* w = nullptr;
+  KType t = KType::kQ4K;
+  int64_t M = 0, N = 0, K = 0;
 };
 
-Prepared prepare(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
-                 const std::optional<at::Tensor>& bias) {
-  const KType t = ktype(type);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
-              "kquant_linear: x must be a float32 CPU tensor");
-  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
-                  blocks.dim() == 2 && blocks.is_contiguous(),
-              "kquant_linear: blocks must be a contiguous uint8 [N, bytes] CPU tensor");
-  const int64_t K = x.size(-1), N = blocks.size(0);
-  TORCH_CHECK(K % kSuper == 0 && blocks.size(1) == K / kSuper * block_bytes(t),
-              "kquant_linear: ", blocks.size(1), " bytes a row do not hold ", K,
-              " elements in super-blocks of 256");
+// The checks and output every op here shares: x float32 [..., K] on the CPU, the bias float32
+// [N] if given, y [..., N] (M rows of K; w and t are the caller's).
+Prepared prepare_call(const char* name, const at::Tensor& x, int64_t N,
+                      const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat, name,
+              ": x must be a float32 CPU tensor");
   Prepared p;
   p.x = x.contiguous();
-  p.t = t;
-  p.K = K;
+  p.K = x.size(-1);
   p.N = N;
-  p.M = K == 0 ? 0 : p.x.numel() / K;
-  p.w = blocks.data_ptr<uint8_t>();
+  p.M = p.K == 0 ? 0 : p.x.numel() / p.K;
   if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
-                "kquant_linear: bias must be float32 [N]");
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N, name,
+                ": bias must be float32 [N]");
     p.bias = bias->contiguous();
   }
   auto shape = x.sizes().vec();
   shape.back() = N;
   p.y = at::empty(shape, x.options());
+  return p;
+}
+
+Prepared prepare(const at::Tensor& x, const at::Tensor& blocks, int64_t type,
+                 const std::optional<at::Tensor>& bias) {
+  const KType t = ktype(type);
+  TORCH_CHECK(blocks.device().is_cpu() && blocks.scalar_type() == at::kByte &&
+                  blocks.dim() == 2 && blocks.is_contiguous(),
+              "kquant_linear: blocks must be a contiguous uint8 [N, bytes] CPU tensor");
+  const int64_t K = x.size(-1);
+  TORCH_CHECK(K % kSuper == 0 && blocks.size(1) == K / kSuper * block_bytes(t),
+              "kquant_linear: ", blocks.size(1), " bytes a row do not hold ", K,
+              " elements in super-blocks of 256");
+  Prepared p = prepare_call("kquant_linear", x, blocks.size(0), bias);
+  p.t = t;
+  p.w = blocks.data_ptr<uint8_t>();
   return p;
 }
 
@@ -941,8 +951,8 @@ at::Tensor kquant_dequant_linear(const at::Tensor& x, const at::Tensor& blocks, 
   return p.y;
 }
 
-// Whether kquant_linear takes any row count through int8 tiles (built with AVX512-VNNI).
-bool kquant_int8_tiles() {
+// Whether kquant_linear takes any row count through the integer GEMM (built with AVX512-VNNI).
+bool kquant_int8_gemm() {
 #ifdef KQ_VNNI
   return true;
 #else
@@ -996,36 +1006,24 @@ at::Tensor kquant_pack_lanes(const at::Tensor& blocks, int64_t type, int64_t K) 
 at::Tensor kquant_lanes_linear(const at::Tensor& x, const at::Tensor& lanes, int64_t type,
                                const std::optional<at::Tensor>& bias) {
   const KType t = ktype(type);
-  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
-              "kquant_lanes_linear: x must be a float32 CPU tensor");
   const int64_t K = x.size(-1), N = lanes.size(0);
   TORCH_CHECK(lanes.scalar_type() == at::kByte && lanes.dim() == 2 && lanes.is_contiguous() &&
                   K % kSuper == 0 && N % kCols == 0 &&
                   lanes.size(1) == K / kSuper * lanes_record(t) / kStrip,
               "kquant_lanes_linear: the lanes do not hold ", K, "-element rows");
-  const at::Tensor xc = x.contiguous();
-  const int64_t M = K == 0 ? 0 : xc.numel() / K;
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  at::Tensor y = at::empty(shape, x.options());
-  at::Tensor b;
-  if (bias.has_value() && bias->defined()) {
-    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->numel() == N,
-                "kquant_lanes_linear: bias must be float32 [N]");
-    b = bias->contiguous();
-  }
-  if (M == 0 || N == 0) return y;
+  Prepared p = prepare_call("kquant_lanes_linear", x, N, bias);
+  if (p.M == 0 || N == 0) return p.y;
 #ifdef KQ_VNNI
-  const QuantX a = quantize_x(xc.data_ptr<float>(), M, K, kSuper);
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
+  const QuantX a = quantize_x(p.x.data_ptr<float>(), p.M, K, kSuper);
+  const float* bp = p.bias.defined() ? p.bias.data_ptr<float>() : nullptr;
   const uint8_t* lp = lanes.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
+  float* yp = p.y.data_ptr<float>();
   switch (t) {
-    case KType::kQ4K: lanes_gemm<KType::kQ4K>(a, lp, nullptr, M, N, K, bp, yp); break;
-    case KType::kQ5K: lanes_gemm<KType::kQ5K>(a, lp, nullptr, M, N, K, bp, yp); break;
-    case KType::kQ6K: lanes_gemm<KType::kQ6K>(a, lp, nullptr, M, N, K, bp, yp); break;
+    case KType::kQ4K: lanes_gemm<KType::kQ4K>(a, lp, nullptr, p.M, N, K, bp, yp); break;
+    case KType::kQ5K: lanes_gemm<KType::kQ5K>(a, lp, nullptr, p.M, N, K, bp, yp); break;
+    case KType::kQ6K: lanes_gemm<KType::kQ6K>(a, lp, nullptr, p.M, N, K, bp, yp); break;
   }
-  return y;
+  return p.y;
 #else
   TORCH_CHECK(false, "kquant_lanes_linear: built without AVX512-VNNI");
 #endif
@@ -1038,7 +1036,7 @@ TORCH_LIBRARY_FRAGMENT(deepinfer_cpu, m) {
   m.def("kquant_dequant_linear(Tensor x, Tensor blocks, int type, Tensor? bias=None, "
         "bool bf16=False) -> Tensor");
   m.def("kquant_dequantize(Tensor blocks, int type, int K) -> Tensor");
-  m.def("kquant_int8_tiles() -> bool", &kquant_int8_tiles);
+  m.def("kquant_int8_gemm() -> bool", &kquant_int8_gemm);
   m.def("kquant_pack_lanes(Tensor blocks, int type, int K) -> Tensor");
   m.def("kquant_lanes_linear(Tensor x, Tensor lanes, int type, Tensor? bias=None) -> Tensor");
 }

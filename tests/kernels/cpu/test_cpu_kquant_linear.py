@@ -63,7 +63,7 @@ def test_int8_kernel_matches_reference(qtype: Q, m: int, n: int, k: int) -> None
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-@pytest.mark.skipif(not kq.int8_tiles(), reason="the lanes layout needs AVX512-VNNI")
+@pytest.mark.skipif(not kq.int8_gemm(), reason="the lanes layout needs AVX512-VNNI")
 @pytest.mark.parametrize("qtype", KQUANTS, ids=lambda q: q.name)
 @pytest.mark.parametrize("m", [1, 3, 4, 8, 9, 16, 17, 40])
 @pytest.mark.parametrize("n,k", [(32, 256), (64, 768), (96, 2048)])
@@ -79,7 +79,7 @@ def test_lanes_layout_matches_reference(qtype: Q, m: int, n: int, k: int) -> Non
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4 * expected.abs().max().item())
 
 
-@pytest.mark.skipif(not kq.int8_tiles(), reason="the lanes layout needs AVX512-VNNI")
+@pytest.mark.skipif(not kq.int8_gemm(), reason="the lanes layout needs AVX512-VNNI")
 def test_lanes_layout_refuses_what_it_cannot_hold() -> None:
     raw = torch.from_numpy(blocks(Q.Q4_K, 40, 256))
     assert kq.kquant_pack_lanes(raw, int(Q.Q4_K), 256) is None  # 40 rows: not strips of 32
@@ -151,10 +151,10 @@ def test_quantized_matmul_takes_every_row_count(qtype: Q, rows: int, pack: bool)
     weight = QuantizedWeight(torch.from_numpy(raw), None, None, int(qtype))
     ref_w = reference_weight(raw, qtype, 1024)
     x = torch.randn(rows, 1024, generator=torch.Generator().manual_seed(rows))
-    int8 = rows <= kq.SMALL_M or kq.int8_tiles()
+    int8 = rows <= kq.SMALL_M or kq.int8_gemm()
     expected = (quantize_activations(x, 256) if int8 else x) @ ref_w.T
     matmul = QuantizedMatmul(weight, None, pack=pack)
-    assert (matmul.lanes is not None) == (pack and kq.int8_tiles())
+    assert (matmul.lanes is not None) == (pack and kq.int8_gemm())
     got = matmul(x)
     tol = BF16_TOL if not int8 and kq.BF16_TILES else 1e-4
     torch.testing.assert_close(got, expected, rtol=tol, atol=tol * expected.abs().max().item())

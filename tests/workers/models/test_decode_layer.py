@@ -161,7 +161,7 @@ def test_kquant_and_bf16_parts_match_python_layers(tmp_path, batch: int, pack: b
     _as_kquant_parts(slow, 5, pack)
     layer = fast.model.model.fast_layers[0]
     lanes = [t for t in layer.qkv.part_lanes if t.numel()]
-    assert bool(lanes) == (pack and kquant_linear.int8_tiles())
+    assert bool(lanes) == (pack and kquant_linear.int8_gemm())
     assert set(layer.qkv.part_kinds) == {12, 14, 13} and 0 in layer.gate_up.part_kinds + \
         layer.down.part_kinds + layer.o.part_kinds, "every kind of part should be in use"
     slow.model.model.fast_layers = None
