@@ -52,6 +52,16 @@ def quant_linear_int_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.
     return _OP.sibling("quant_linear_int_gemm")(x, qweight, scales, mins, bias, tiles)
 
 
+def quant_linear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
+                 mins: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                 tiles: torch.Tensor | None = None) -> torch.Tensor:
+    """A product of any M through the kernel that takes those rows fastest: the small-M kernel
+    for decode batches, the integer GEMM above them (with an int8 weight's tiles kept and
+    AVX512-VNNI, from 3 rows). The GEMM's weights only (int8 in groups of a multiple of 32,
+    4-bit) above 4 rows."""
+    return _OP.sibling("quant_linear")(x, qweight, scales, mins, bias, tiles)
+
+
 def quant_linear_pack(qweight: torch.Tensor, scales: torch.Tensor,
                       mins: torch.Tensor | None = None) -> torch.Tensor:
     """The weight as the integer GEMM reads it, made once: per 16 output rows, the int8 values

@@ -141,17 +141,16 @@ class QuantizedMatmul:
             if rows <= kquant_linear.SMALL_M or self.kquant_int8_gemm:
                 return kquant_linear.kquant_linear(x, w.qweight, self.kquant, self.bias)
             return kquant_linear.kquant_dequant_linear(x, w.qweight, self.kquant, self.bias)
-        if rows <= SMALL_M:
-            return native.quant_linear_small_m(x, w.qweight, w.scales, w.mins, self.bias)
-        if self.packed is not None:
+        if self.packed is not None and rows > SMALL_M:
             # FBGEMM quantizes its input per tensor; rows scaled to one max first make that per
             # token, and are scaled back after.
             scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=1e-30)
             y = torch.ops.quantized.linear_dynamic(x / scale, self.packed, True).mul_(scale)
             return y if self.bias is None else y.add_(self.bias)
         if self.int_gemm:
-            return native.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins, self.bias,
-                                                self.tiles)
+            return native.quant_linear(x, w.qweight, w.scales, w.mins, self.bias, self.tiles)
+        if rows <= SMALL_M:
+            return native.quant_linear_small_m(x, w.qweight, w.scales, w.mins, self.bias)
         return native.quant_linear_dequant(x, w.qweight, w.scales, w.mins, self.bias)
 
     def nbytes(self) -> int:

@@ -45,15 +45,11 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const OptTensor
   static const auto small_m =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const OptTensor&)>(
           "deepinfer_cpu::linear_small_m");
-  static const auto quant_small_m =
+  static const auto quant =
       op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                    const OptTensor&)>("deepinfer_cpu::quant_linear_small_m");
-  static const auto int_gemm =
-      op<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const OptTensor&,
-                    const OptTensor&, const OptTensor&)>("deepinfer_cpu::quant_linear_int_gemm");
-  if (scales.has_value()) {  // above 4 rows int8 / 4-bit weights only (the GEMM checks)
-    return x.size(0) <= kSmallM ? quant_small_m.call(x, weight, *scales, mins, bias)
-                                : int_gemm.call(x, weight, *scales, mins, bias, packed);
+                    const OptTensor&, const OptTensor&)>("deepinfer_cpu::quant_linear");
+  if (scales.has_value()) {  // the GEMM above 4 rows: int8 / 4-bit weights only (it checks)
+    return quant.call(x, weight, *scales, mins, bias, packed);
   }
   static const auto onednn =
       c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.kernels.cpu import kquant_linear
 from deepinfer.kernels.cpu import quant_linear as ql
 from deepinfer.workers.quantization.weight import QuantizedWeight
 
@@ -64,7 +65,7 @@ def test_dequantized_tiles_match_reference(kind: str, k: int, group: int, m: int
 
 
 @pytest.mark.parametrize("k,group", [(576, 576), (576, 32), (1536, 64), (96, 32)])
-@pytest.mark.parametrize("m", [1, 5, 70, 300])  # 300: two passes of 256 rows
+@pytest.mark.parametrize("m", [1, 5, 8, 13, 70, 300])  # 300: two passes of 256 rows
 @pytest.mark.parametrize("n", [1, 16, 45])  # tiles of 16 columns, whole and partial
 @pytest.mark.parametrize("kind", ["int8", "q4"])
 def test_int_gemm_matches_reference(kind: str, k: int, group: int, m: int, n: int) -> None:
@@ -89,6 +90,26 @@ def test_int_gemm_matches_reference(kind: str, k: int, group: int, m: int, n: in
     torch.testing.assert_close(half[0], ql.reference(ql.quantize_activations(x),
                                                      w16.dequantize()),
                                rtol=1e-5, atol=1e-5 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("kind", ["int8", "q4"])
+def test_quant_linear_routes_rows_to_the_faster_kernel(kind: str, m: int) -> None:
+    """quant_linear: the small-M kernel for decode batches, the integer GEMM above 4 rows, and
+    (AVX512-VNNI) from 3 rows for an int8 weight whose tiles are kept; the two kernels' float
+    sums differ in order, so the bits tell which ran."""
+    gen = torch.Generator().manual_seed(m)
+    w = weight(gen, kind, 48, 1536, 32)
+    x = torch.randn(m, 1536, generator=gen)
+    tiles = ql.quant_linear_pack(w.qweight, w.scales, w.mins)
+    small = ql.quant_linear_small_m(x, w.qweight, w.scales, w.mins)
+    gemm = ql.quant_linear_int_gemm(x, w.qweight, w.scales, w.mins, None, tiles)
+    assert not torch.equal(small, gemm)  # else this test could not tell them apart
+    vnni_tiles = kind == "int8" and kquant_linear.int8_gemm() and tiles.numel() > 0
+    expect = gemm if m > 4 or (m >= 3 and vnni_tiles) else small
+    assert torch.equal(ql.quant_linear(x, w.qweight, w.scales, w.mins, None, tiles), expect)
+    without = small if m <= 4 else gemm  # no tiles: per-call packing costs more than it saves
+    assert torch.equal(ql.quant_linear(x, w.qweight, w.scales, w.mins), without)
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
