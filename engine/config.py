@@ -38,7 +38,7 @@ MODEL_DTYPES = ("float32", "float16", "bfloat16")
 SWA_REPLAYS = ("window", "exact")
 # --cpu-linear-weights: copies of each linear weight on CPU: both (fastest at every batch
 # size, 2x memory), packed (oneDNN only), plain (small-M kernel, F.linear above 4 rows), auto
-# (both while the second copy costs at most an eighth of RAM).
+# (both while the second copy costs at most a quarter of RAM).
 CPU_LINEAR_WEIGHTS = ("auto", "both", "packed", "plain")
 # --quantization: weights as stored (none: float, dequantizing a quantized checkpoint), int8
 # (weight-only, per output channel, quantized at load) or fp8 (e4m3, 128 x 128 block scales).

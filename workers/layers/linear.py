@@ -48,15 +48,16 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 
 def resolve_weight_copies(copies: str, linear_bytes: int, memory_bytes: int | None = None) -> str:
-    """"auto": both copies while the second costs at most an eighth of the machine's memory
-    (SmolLM2-135M: 0.5 GB of linears, both; a 1B fp32 model: 4 GB, packed only)."""
+    """"auto": both copies while the second costs at most a quarter of the machine's memory
+    (24 GiB: SmolLM2-135M's 0.5 GB, an 8B Q4_K_M's 4.4 GiB lanes copy and a 1B float32 model's 4
+    GB, both; a 3B float32 model's 12 GB, packed only)."""
     if copies not in WEIGHT_COPIES:
         raise ValueError(f"weight copies must be one of {WEIGHT_COPIES}, not {copies!r}")
     if copies != "auto":
         return copies
     if memory_bytes is None:
         memory_bytes = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return "both" if linear_bytes <= memory_bytes // 8 else "packed"
+    return "both" if linear_bytes <= memory_bytes // 4 else "packed"
 
 
 class Linear(nn.Module):

@@ -14,7 +14,9 @@ from deepinfer.workers.quantization.weight import QuantizedWeight
 def test_auto_keeps_both_copies_only_while_they_are_cheap():
     gib = 1 << 30
     assert resolve_weight_copies("auto", gib // 2, memory_bytes=24 * gib) == "both"
-    assert resolve_weight_copies("auto", 4 * gib, memory_bytes=24 * gib) == "packed"
+    assert resolve_weight_copies("auto", 6 * gib, memory_bytes=24 * gib) == "both"
+    assert resolve_weight_copies("auto", 6 * gib + 1, memory_bytes=24 * gib) == "packed"
+    assert resolve_weight_copies("auto", 4 * gib, memory_bytes=8 * gib) == "packed"
     assert resolve_weight_copies("plain", 4 * gib) == "plain"
     with pytest.raises(ValueError):
         resolve_weight_copies("two", 1)
