@@ -2,6 +2,9 @@
 
 - `quant_linear_small_m`: decode batches (M <= 4), bound by reading the weight: the quantized
   bytes stream once for all rows and are dequantized in registers (csrc/quant_linear.cpp).
+- `quant_linear_int_gemm`: any M, int8 (groups of a multiple of 32) and 4-bit weights as an
+  integer GEMM over repacked tiles (AVX512-VNNI: one instruction a tile quad, 64 products);
+  `quant_linear` picks it or the small-M kernel by the rows.
 - `quant_linear_dequant`: any M; each thread dequantizes a cache-sized tile of weight rows and
   multiplies it with a GEMM (the path for prefill chunks when no int8 GEMM takes the weight).
 
