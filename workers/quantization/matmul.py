@@ -7,10 +7,11 @@
 - More rows, int8 weights in groups of a multiple of 32 (per channel, Q8_0) and 4-bit ones:
   the native integer GEMM, with the same numerics (activations int8 per block of 32): ~1.8x
   oneDNN's float32 at 64 rows here with AVX2, ~2.4x that with AVX512-VNNI (one instruction a
-  tile quad); there int8 weights whose tiles are kept take it from 3 rows (`quant_linear`). A batch's rows then round as a lone decode row does. The
-  GEMM reads the weight repacked (groups of 4 along K per 16 output rows, scales per block as
-  floats); kept once made (`pack`, the default: +1.125x an int8 weight's bytes, +2.5x a 4-bit
-  one's; 64 rows of the default model's linears 76 -> 65 ms int8, 54 -> 47 ms 4-bit), else
+  tile quad); there int8 weights whose tiles are kept take it from 3 rows (`quant_linear`).
+  A batch's rows then round as a lone decode row does. The GEMM reads the weight repacked
+  (groups of 4 along K per 16 output rows, scales per block as floats); kept once made
+  (`pack`, the default: +1.125x an int8 weight's bytes, +2.5x a 4-bit one's; 64 rows of the
+  default model's linears 76 -> 65 ms int8, 54 -> 47 ms 4-bit), else
   made per call.
 - More rows, other layouts (fp8): dequantized tiles and a float32 GEMM, natively, activations
   as they are.
