@@ -23,6 +23,7 @@ struct QuantX {
   std::vector<int8_t> q;     // [M, K]
   std::vector<float> scale;  // [M, K / block]
   std::vector<float> sum;    // [M, K / 32]
+  std::vector<int32_t> isum;  // [M, K / 32] sum(q) itself (the integer GEMMs' offsets)
 };
 
 // max |x| over 32 elements.
@@ -77,7 +78,7 @@ inline int32_t quantize_32(const float* x, float inv, int8_t* q) {
 QuantX quantize_x(const float* x, int64_t M, int64_t K, int64_t block = kBlock) {
   const int64_t B = K / block, S = block / kBlock;
   QuantX out{std::vector<int8_t>(M * K), std::vector<float>(M * B),
-             std::vector<float>(M * K / kBlock)};
+             std::vector<float>(M * K / kBlock), std::vector<int32_t>(M * K / kBlock)};
   for (int64_t i = 0; i < M * B; ++i) {
     const float* xb = x + i * block;
     float amax = 0.f;
@@ -87,6 +88,7 @@ QuantX quantize_x(const float* x, int64_t M, int64_t K, int64_t block = kBlock) 
     for (int64_t s = 0; s < S; ++s) {
       const int32_t sum = quantize_32(xb + s * kBlock, inv, out.q.data() + i * block + s * kBlock);
       out.sum[i * S + s] = d * static_cast<float>(sum);
+      out.isum[i * S + s] = sum;
     }
   }
   return out;

@@ -615,12 +615,7 @@ inline __m512i broadcast4(const int8_t* p) {
 std::vector<int32_t> sum_pairs(const QuantX& a, int64_t M, int64_t K) {
   std::vector<int32_t> pairs(M * K / 64);
   for (int64_t i = 0; i < M * K / 64; ++i) {
-    int32_t lo = 0, hi = 0;
-    for (int e = 0; e < 32; ++e) {
-      lo += a.q[i * 64 + e];
-      hi += a.q[i * 64 + 32 + e];
-    }
-    pairs[i] = (lo & 0xFFFF) | (hi << 16);
+    pairs[i] = (a.isum[2 * i] & 0xFFFF) | (a.isum[2 * i + 1] << 16);
   }
   return pairs;
 }

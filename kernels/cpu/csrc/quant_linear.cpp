@@ -727,11 +727,11 @@ inline void gemm_rows(const int8_t* __restrict xq, const float* __restrict xd,
 // (16 columns x 4 k), one VPDPBUSD takes it against an activation row's quad broadcast: 64
 // products an instruction, where the AVX2 form above takes 32 in three. The weight is the
 // unsigned operand: 4-bit codes as they are; int8 ones + 128 (the sign bit flipped as loaded),
-// the block's sum starting at -128 x the activation block's integer sum (xoff) to cancel it.
+// the block's sum starting at -128 x the activation block's integer sum (xisum) to cancel it.
 // Per block, one conversion and one FMA per row and tile, as above.
 template <Kind KD, int MR, int NT>
 inline void gemm_rows_vnni(const int8_t* __restrict xq, const float* __restrict xd,
-                           const float* __restrict xs, const int32_t* __restrict xoff,
+                           const float* __restrict xs, const int32_t* __restrict xisum,
                            int64_t K, int64_t B, const int32_t* const* packed,
                            const float* bias, float* __restrict y, int64_t ldy, int64_t cols) {
   const int64_t scales_at = K / 4 * kTileN;  // a tile's float scales (then 4-bit mins) follow
@@ -747,7 +747,7 @@ inline void gemm_rows_vnni(const int8_t* __restrict xq, const float* __restrict 
 #pragma GCC unroll 8
     for (int m = 0; m < MR; ++m) {
       const __m512i init =
-          KD == Kind::kInt8 ? _mm512_set1_epi32(xoff[m * B + b]) : _mm512_setzero_si512();
+          KD == Kind::kInt8 ? _mm512_set1_epi32(-128 * xisum[m * B + b]) : _mm512_setzero_si512();
 #pragma GCC unroll 2
       for (int h = 0; h < NT; ++h) acc[m][h] = init;
     }
@@ -799,16 +799,6 @@ inline void gemm_rows_vnni(const int8_t* __restrict xq, const float* __restrict 
 
 constexpr int64_t kVnniRows = 6;  // activation rows a pass over a tile pair takes
 
-// -128 x each activation block's integer sum [M][B]: what an int8 weight's + 128 adds.
-std::vector<int32_t> flip_offsets(const QuantX& xq, int64_t M, int64_t K) {
-  std::vector<int32_t> off(M * K / kBlock);
-  for (int64_t i = 0; i < M * K / kBlock; ++i) {
-    int32_t sum = 0;
-    for (int64_t e = 0; e < kBlock; ++e) sum += xq.q[i * kBlock + e];
-    off[i] = -128 * sum;
-  }
-  return off;
-}
 #endif
 
 // int32s one tile takes pre-packed: its quads, then its scales (and 4-bit: mins) per block and
@@ -842,8 +832,6 @@ void run_int_gemm(const float* x, const Weights& w, const float* bias, float* y,
     const int64_t mc = std::min(kChunkM, M - m0);
     const QuantX xq = quantize_x(x + m0 * K, mc, K);
 #ifdef QL_VNNI
-    const std::vector<int32_t> xoff =
-        KD == Kind::kInt8 ? flip_offsets(xq, mc, K) : std::vector<int32_t>{};
     // Rows in even groups of at most kVnniRows, each reading a pair of tiles.
     const int64_t groups = (mc + kVnniRows - 1) / kVnniRows, per = (mc + groups - 1) / groups;
     at::parallel_for(0, (num_tiles + 1) / 2, 1, [&](int64_t t0, int64_t t1) {
@@ -865,7 +853,7 @@ void run_int_gemm(const float* x, const Weights& w, const float* bias, float* y,
           auto rows = [&](auto mr, auto ntc) {
             gemm_rows_vnni<KD, decltype(mr)::value, decltype(ntc)::value>(
                 xq.q.data() + m * K, xq.scale.data() + m * B, xq.sum.data() + m * B,
-                xoff.data() + (KD == Kind::kInt8 ? m * B : 0), K, B, packed, bt,
+                xq.isum.data() + m * B, K, B, packed, bt,
                 y + (m0 + m) * N + n0, N, cols);
           };
           auto tiles_of = [&](auto mr) {
